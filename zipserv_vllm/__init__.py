@@ -1,0 +1,8 @@
+"""zipserv-vllm: lossless TCA-TBE compressed BF16 weights for vLLM."""
+
+from .codec import compress_tensor, decompress_tensor, native_available
+from .format import CompressedTensor, FormatError
+
+__version__ = "0.1.0"
+
+__all__ = ["CompressedTensor", "FormatError", "compress_tensor", "decompress_tensor", "native_available", "__version__"]

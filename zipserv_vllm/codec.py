@@ -1,0 +1,109 @@
+"""Public codec API: ``compress_tensor`` and ``decompress_tensor``.
+
+Both run the native C++ codec (``zipserv_vllm._C``, multi-threaded) when it is
+built, and the NumPy reference codec otherwise; ``backend=`` forces one. The
+two are byte-identical, which the test suite checks.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from .format import CompressedTensor, reference, spec
+
+try:  # the extension is optional at import time so that a source tree still works
+    from . import _C  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - exercised only without a build
+    _C = None
+    _C_ERROR = exc
+else:
+    _C_ERROR = None
+
+_warned = False
+
+
+def native_available() -> bool:
+    return _C is not None
+
+
+def default_threads() -> int:
+    """Threads for the native codec: ZIPSERV_THREADS, else the usable cores."""
+    env = os.environ.get("ZIPSERV_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover
+        return max(1, os.cpu_count() or 1)
+
+
+def _backend(backend: str) -> str:
+    global _warned
+    if backend == "auto":
+        if _C is not None:
+            return "native"
+        if not _warned:
+            warnings.warn(f"zipserv_vllm._C is not built ({_C_ERROR}); using the slow reference codec")
+            _warned = True
+        return "reference"
+    if backend == "native" and _C is None:
+        raise ImportError(f"the native codec zipserv_vllm._C is not built: {_C_ERROR}")
+    if backend not in ("native", "reference"):
+        raise ValueError(f"backend must be 'auto', 'native' or 'reference', got {backend!r}")
+    return backend
+
+
+def _bits_of(w: torch.Tensor) -> np.ndarray:
+    """The BF16 bit patterns of a 2-D CPU bfloat16 tensor as a uint16 array (no copy if contiguous)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(w).__name__}")
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"zipserv compresses bfloat16 weights only, got {w.dtype} (converting would not be lossless)")
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {list(w.shape)}")
+    if w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"cannot compress an empty tensor of shape {list(w.shape)}")
+    if w.device.type != "cpu":
+        w = w.cpu()
+    return w.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | None = None) -> CompressedTensor:
+    """Compress a 2-D ``torch.bfloat16`` tensor into TCA-TBE v1 (lossless)."""
+    bits = _bits_of(w)
+    if _backend(backend) == "reference":
+        e = reference.encode(bits)
+        arrays = (e.bitmaps, e.base, e.offsets, e.sm, e.fb)
+    else:
+        arrays = _C.encode(bits, threads or default_threads())
+    bitmaps, base, offsets, sm, fb = arrays
+    return CompressedTensor(
+        (int(bits.shape[0]), int(bits.shape[1])),
+        torch.from_numpy(np.ascontiguousarray(bitmaps).view(np.int64)),
+        torch.from_numpy(np.ascontiguousarray(base)),
+        torch.from_numpy(np.ascontiguousarray(offsets)),
+        torch.from_numpy(np.ascontiguousarray(sm)),
+        torch.from_numpy(np.ascontiguousarray(fb).view(np.int16)),
+    )
+
+
+def decompress_tensor(ct: CompressedTensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:
+    """Rebuild the exact ``torch.bfloat16`` matrix of ``ct.shape`` (on the CPU)."""
+    ct = ct.to("cpu") if ct.device.type != "cpu" else ct
+    m, k = ct.shape
+    bitmaps = ct.bitmaps.contiguous().numpy().view(np.uint64)
+    base = ct.base.contiguous().numpy()
+    offsets = ct.offsets.contiguous().numpy()
+    sm = ct.sm.contiguous().numpy()
+    fb = ct.fb.contiguous().numpy().view(np.uint16)
+    if _backend(backend) == "reference":
+        out = reference.decode(reference.Encoded(m, k, bitmaps, base, offsets, sm, fb))
+        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    ct.validate()
+    out = torch.empty((m, k), dtype=torch.bfloat16)
+    _C.decode(bitmaps, base, offsets, sm, fb, out.view(torch.int16).numpy().view(np.uint16), threads or default_threads())
+    return out

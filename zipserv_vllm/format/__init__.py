@@ -1,0 +1,9 @@
+"""The TCA-TBE v1 format: constants, the reference codec and CompressedTensor.
+
+Imports no vLLM and needs no native extension.
+"""
+
+from . import reference, spec
+from .tensor import CompressedTensor, FormatError, grid, high_counts, segment_lengths
+
+__all__ = ["CompressedTensor", "FormatError", "grid", "high_counts", "reference", "segment_lengths", "spec"]
