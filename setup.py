@@ -1,26 +1,39 @@
-"""Build of the zipserv_vllm._C extension (pybind11).
+"""Build of zipserv-vllm's native extensions (pybind11; no torch C++ ABI).
 
-The C++ part builds with g++ alone. The CUDA part (csrc/cuda) is compiled only
-when nvcc is found; set ZIPSERV_NO_CUDA=1 to skip it. The extension uses no
-torch C++ ABI: arrays and pointers come from Python.
+* ``zipserv_vllm._C``: format constants and the multi-threaded CPU codec
+  (csrc/*.cpp). Builds with g++ alone.
+* ``zipserv_vllm._cpu_gemm``: fused decode-GEMM CPU kernels (csrc/cpu_gemm/).
+* ``zipserv_vllm._cuda``: CUDA kernels (csrc/cuda/), compiled only when nvcc
+  is found and ZIPSERV_NO_CUDA is not set.
+
+Arrays and pointers come from Python, so one build serves several torch
+versions. ``ZIPSERV_BUILD_ONLY=_C,_cpu_gemm`` restricts which extensions are
+built (useful while developing one of them).
 """
 
+import glob
 import os
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-CPP_SOURCES = sorted(
-    os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")
-)
-
-ext = Pybind11Extension(
-    "zipserv_vllm._C",
-    CPP_SOURCES,
+COMMON = dict(
     include_dirs=["csrc/include"],
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-pthread"],
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+extensions = [
+    Pybind11Extension("zipserv_vllm._C", sorted(glob.glob("csrc/*.cpp")), **COMMON),
+]
+if glob.glob("csrc/cpu_gemm/*.cpp"):
+    extensions.append(
+        Pybind11Extension("zipserv_vllm._cpu_gemm", sorted(glob.glob("csrc/cpu_gemm/*.cpp")), **COMMON)
+    )
+
+only = {x.strip() for x in os.environ.get("ZIPSERV_BUILD_ONLY", "").split(",") if x.strip()}
+if only:
+    extensions = [e for e in extensions if e.name.rsplit(".", 1)[1] in only]
+
+setup(ext_modules=extensions, cmdclass={"build_ext": build_ext})

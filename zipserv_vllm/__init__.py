@@ -2,7 +2,8 @@
 
 from .codec import compress_tensor, decompress_tensor, native_available
 from .format import CompressedTensor, FormatError
+from .ops import linear
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressedTensor", "FormatError", "compress_tensor", "decompress_tensor", "native_available", "__version__"]
+__all__ = ["CompressedTensor", "FormatError", "compress_tensor", "decompress_tensor", "linear", "native_available", "__version__"]

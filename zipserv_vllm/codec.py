@@ -22,6 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without a build
     _C_ERROR = exc
 else:
     _C_ERROR = None
+    if not hasattr(_C, "encode"):  # an extension built before the codec existed
+        _C, _C_ERROR = None, ImportError("zipserv_vllm._C has no codec; rebuild it")
 
 _warned = False
 

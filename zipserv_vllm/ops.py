@@ -1,0 +1,63 @@
+"""torch.library custom ops over compressed weights, traceable by torch.compile.
+
+* ``zipserv::decompress(bitmaps, base, offsets, sm, fb, M, K) -> Tensor[M, K] bf16``
+* ``zipserv::gemm(x, bitmaps, base, offsets, sm, fb, M, K, bias, mode) -> Tensor[..., M]``
+  computes ``F.linear(x, W, bias)``. ``mode="exact"`` decodes W and runs the
+  same GEMM as the BF16 path (bit-identical to it); ``mode="fast"`` may use a
+  fused kernel (CPU: csrc/cpu_gemm, CUDA: csrc/cuda) whose summation order
+  differs.
+
+The default implementation below serves CPU tensors; device-specific kernels
+register themselves with ``gemm.register_kernel(...)`` /
+``decompress.register_kernel(...)`` in their own modules. Every op has a fake
+implementation so it can be traced without running.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .format import CompressedTensor
+
+MODES = ("fast", "exact")
+
+
+def _ct(bitmaps, base, offsets, sm, fb, m, k) -> CompressedTensor:
+    return CompressedTensor((m, k), bitmaps, base, offsets, sm, fb)
+
+
+@torch.library.custom_op("zipserv::decompress", mutates_args=())
+def decompress(bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
+               sm: torch.Tensor, fb: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    from .codec import decompress_tensor
+
+    return decompress_tensor(_ct(bitmaps, base, offsets, sm, fb, m, k))
+
+
+@decompress.register_fake
+def _(bitmaps, base, offsets, sm, fb, m, k):
+    return torch.empty((m, k), dtype=torch.bfloat16, device=sm.device)
+
+
+@torch.library.custom_op("zipserv::gemm", mutates_args=())
+def gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
+         sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, bias: torch.Tensor | None,
+         mode: str) -> torch.Tensor:
+    w = decompress(bitmaps, base, offsets, sm, fb, m, k)
+    return F.linear(x, w, bias)
+
+
+@gemm.register_fake
+def _(x, bitmaps, base, offsets, sm, fb, m, k, bias, mode):
+    return x.new_empty((*x.shape[:-1], m))
+
+
+def linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None,
+           mode: str = "fast") -> torch.Tensor:
+    """``F.linear(x, decompress_tensor(ct), bias)`` by whichever kernel fits the device."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if x.shape[-1] != ct.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {ct.shape[1]}")
+    return gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1], bias, mode)
