@@ -32,8 +32,66 @@ if glob.glob("csrc/cpu_gemm/*.cpp"):
         Pybind11Extension("zipserv_vllm._cpu_gemm", sorted(glob.glob("csrc/cpu_gemm/*.cpp")), **COMMON)
     )
 
+# ``zipserv_vllm._emul``: host build of the CUDA kernels' index math and
+# per-lane decode (csrc/emul/ + csrc/cuda/*.cuh), for the CPU emulation tests.
+if glob.glob("csrc/emul/*.cpp"):
+    extensions.append(
+        Pybind11Extension(
+            "zipserv_vllm._emul", sorted(glob.glob("csrc/emul/*.cpp")),
+            include_dirs=["csrc/include", "csrc/cuda"], cxx_std=17,
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+        )
+    )
+
+
+def _load_nvcc_build():
+    """csrc/cuda/nvcc_build.py (flags shared with tests/test_cuda_build.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("zipserv_nvcc_build", os.path.join("csrc", "cuda", "nvcc_build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ``zipserv_vllm._cuda``: only when nvcc is found and ZIPSERV_NO_CUDA is unset.
+_nvb = None
+if glob.glob("csrc/cuda/*.cu") and not os.environ.get("ZIPSERV_NO_CUDA"):
+    _nvb = _load_nvcc_build()
+    _nvcc = _nvb.find_nvcc()
+    if _nvcc is None:
+        print("zipserv-vllm: nvcc not found, skipping the CUDA extension (set CUDA_HOME to build it)")
+        _nvb = None
+    else:
+        extensions.append(
+            Pybind11Extension(
+                "zipserv_vllm._cuda", ["csrc/cuda/bindings.cpp"],
+                include_dirs=["csrc/include", "csrc/cuda"], cxx_std=17,
+                extra_compile_args=["-O2", "-Wall", "-Wextra"],
+                library_dirs=[str(_nvb.cuda_lib_dir(_nvcc))],
+                # static cudart: the .so does not depend on the toolkit's or torch's libcudart version
+                libraries=["cudart_static", "dl", "rt", "pthread"],
+            )
+        )
+
 only = {x.strip() for x in os.environ.get("ZIPSERV_BUILD_ONLY", "").split(",") if x.strip()}
 if only:
     extensions = [e for e in extensions if e.name.rsplit(".", 1)[1] in only]
 
-setup(ext_modules=extensions, cmdclass={"build_ext": build_ext})
+
+
+class BuildExt(build_ext):
+    """build_ext that first compiles csrc/cuda/*.cu with nvcc (in parallel) for ``_cuda``."""
+
+    def build_extension(self, ext):
+        if ext.name == "zipserv_vllm._cuda" and _nvb is not None:
+            nvcc = _nvb.find_nvcc()
+            archs = _nvb.cuda_archs(nvcc)
+            out = os.path.join(self.build_temp, "cuda_objs")
+            print(f"zipserv-vllm: nvcc {', '.join('sm_' + a for a in archs)} -> {out}")
+            objs = _nvb.compile_all(nvcc, _nvb.cu_sources(), out, archs)
+            ext.extra_objects = [str(o) for o in objs]
+        super().build_extension(ext)
+
+
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

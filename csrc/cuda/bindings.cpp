@@ -1,0 +1,87 @@
+// pybind11 module zipserv_vllm._cuda (compiled by the host compiler; the
+// kernels are in the nvcc-built objects). Every pointer is a Python int
+// (tensor.data_ptr()), the stream is torch.cuda.current_stream().cuda_stream:
+// no torch C++ ABI, cudart only. Errors become RuntimeError naming the call.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "zipgemm_layout.cuh"
+#include "launch.h"
+
+namespace py = pybind11;
+using namespace zipserv::cuda;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+void check(int err, const char* what) {
+  if (err != 0) throw std::runtime_error(std::string("zipserv CUDA ") + what + " failed: " + error_string(err));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "zipserv-vllm CUDA kernels: fused ZipGEMM, decompress, GPU encoder (TCA-TBE v1)";
+
+  m.def("tile_ns", []() { return py::make_tuple(8, 16, 32, 64, 128); },
+        "Columns per block of the fused kernel instances");
+  m.def("fused_smem_bytes", [](int tile_n) { return zipserv::gemm::fused_smem_bytes(tile_n); },
+        "Dynamic shared memory of the fused kernel for tile_n columns (fixed per instance)");
+  m.def("splitk_parts", [](int kt, int split) { return zipserv::gemm::splitk_parts(kt, split); },
+        "Non-empty K parts when Kt tiles are split `split` ways");
+
+  m.def("prepare", []() { check(prepare_current_device(), "prepare (cudaFuncSetAttribute)"); },
+        "Set kernel attributes once on the current device (before any launch or graph capture)");
+
+  m.def(
+      "zipgemm",
+      [](uintptr_t x, uintptr_t bitmaps, uintptr_t base, uintptr_t offsets, uintptr_t sm, uintptr_t fb,
+         uintptr_t bias, uintptr_t y, uintptr_t ws, int M, int K, int N, int tile_n, int split, int x_vec,
+         uintptr_t stream) {
+        GemmArgs a{ptr<const uint64_t>(bitmaps), ptr<const uint8_t>(base), ptr<const int64_t>(offsets),
+                   ptr<const uint8_t>(sm), ptr<const uint16_t>(fb), ptr<const uint16_t>(x),
+                   ptr<const uint16_t>(bias), ptr<uint16_t>(y), ptr<float>(ws), M, K, N, split, x_vec};
+        check(zipgemm(a, tile_n, stream), "zipgemm");
+      },
+      py::arg("x"), py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"), py::arg("fb"),
+      py::arg("bias"), py::arg("y"), py::arg("ws"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("tile_n"),
+      py::arg("split"), py::arg("x_vec"), py::arg("stream"),
+      "Fused ZipGEMM launch (split = non-empty K parts; ws holds split*N*M fp32 when split > 1)");
+
+  m.def(
+      "decompress",
+      [](uintptr_t bitmaps, uintptr_t base, uintptr_t offsets, uintptr_t sm, uintptr_t fb, uintptr_t out, int M,
+         int K, uintptr_t stream) {
+        DecompressArgs a{ptr<const uint64_t>(bitmaps), ptr<const uint8_t>(base), ptr<const int64_t>(offsets),
+                         ptr<const uint8_t>(sm), ptr<const uint16_t>(fb), ptr<uint16_t>(out), M, K};
+        check(decompress(a, stream), "decompress");
+      },
+      "Decompress to row-major bf16 [M, K]");
+
+  m.def(
+      "encode_tiles",
+      [](uintptr_t w, int M, int K, int tm0, int tm_count, uintptr_t bitmaps, uintptr_t base, uintptr_t hcount,
+         uintptr_t scratch_sm, uintptr_t scratch_fb, uintptr_t stream) {
+        EncodeArgs a{ptr<const uint16_t>(w), M, K, tm0, tm_count, ptr<uint64_t>(bitmaps), ptr<uint8_t>(base),
+                     ptr<int64_t>(hcount), ptr<uint8_t>(scratch_sm), ptr<uint16_t>(scratch_fb)};
+        check(encode_tiles(a, stream), "encode_tiles");
+      },
+      "Encoder pass 1: windows, bit-planes, per-tile compaction into scratch, H per tile");
+
+  m.def(
+      "encode_scatter",
+      [](uintptr_t hcount, uintptr_t offsets, uintptr_t scratch_sm, uintptr_t scratch_fb, uintptr_t sm,
+         uintptr_t fb, int64_t G, uintptr_t stream) {
+        ScatterArgs a{ptr<const int64_t>(hcount), ptr<const int64_t>(offsets), ptr<const uint8_t>(scratch_sm),
+                      ptr<const uint16_t>(scratch_fb), ptr<uint8_t>(sm), ptr<uint16_t>(fb), G};
+        check(encode_scatter(a, stream), "encode_scatter");
+      },
+      "Encoder pass 2: copy each tile's scratch into its canonical segments");
+}

@@ -1,0 +1,70 @@
+// Device-only helpers of the ZipServ kernels: cp.async, mma.sync, and the
+// staging of one tile's compressed data that the fused and the decompress
+// kernels share. The index math lives in zipgemm_layout.cuh (also used by the
+// CPU emulation); this file only moves bytes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "zipgemm_layout.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "zipserv kernels need compute capability 8.0 or newer (cp.async, mma.sync bf16)"
+#endif
+
+namespace zipserv {
+namespace dev {
+
+using namespace zipserv::gemm;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes = 16) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// D = A * B + D, m16n8k16, bf16 inputs, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Bit-planes of tile g (1536 bytes = 96 chunks) into shared memory, by
+// threads 0..95 of the block.
+__device__ __forceinline__ void issue_bitmaps(uint64_t* dst, const uint64_t* bitmaps, int64_t g) {
+  const int t = threadIdx.x;
+  if (t < kBmpBytes / kChunk) cp_async16(reinterpret_cast<char*>(dst) + t * kChunk,
+                                         reinterpret_cast<const char*>(bitmaps + g * kPlanes * kFragsPerTile) + t * kChunk);
+}
+
+// Per-warp counts from a tile's bit-planes in shared memory (FORMAT.md s.5):
+// hb = high-frequency elements before FT 16 w, hc = inside FTs 16 w .. 16 w + 15.
+__device__ __forceinline__ void warp_counts(const uint64_t* bmp, int warp, int lane, int* hb, int* hc) {
+  const int pc_lo = popc64(indicator(bmp[lane], bmp[kFragsPerTile + lane], bmp[2 * kFragsPerTile + lane]));
+  const int pc_hi = popc64(indicator(bmp[lane + 32], bmp[kFragsPerTile + lane + 32], bmp[2 * kFragsPerTile + lane + 32]));
+  int before, inside;
+  lane_count_share(warp, lane, pc_lo, pc_hi, &before, &inside);
+  *hb = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, static_cast<unsigned>(before)));
+  *hc = static_cast<int>(__reduce_add_sync(0xFFFFFFFFu, static_cast<unsigned>(inside)));
+}
+
+// Warp-cooperative copy of the warp's value sub-segments into its staging.
+__device__ __forceinline__ void issue_values(uint8_t* st_sm, uint16_t* st_fb, const WarpSegment& s,
+                                             const uint8_t* sm, const uint16_t* fb, int lane) {
+  for (int c = lane; c < s.sm_chunks; c += 32) cp_async16(st_sm + c * kChunk, sm + s.sm_begin + c * kChunk);
+  for (int c = lane; c < s.fb_chunks; c += 32) cp_async16(st_fb + c * 8, fb + s.fb_begin + c * 8);
+}
+
+}  // namespace dev
+}  // namespace zipserv

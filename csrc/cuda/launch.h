@@ -1,0 +1,69 @@
+// Host-side entry points of the CUDA kernels (implemented in csrc/cuda/*.cu,
+// called from csrc/cuda/bindings.cpp). Plain C++: pointers, sizes and the
+// stream come from Python, so the extension links cudart only and has no
+// torch C++ ABI. Every function returns a cudaError_t as int (0 = success).
+#pragma once
+
+#include <cstdint>
+
+namespace zipserv {
+namespace cuda {
+
+// Y[N, M] = X[N, K] . W[M, K]^T (+ bias), W in TCA-TBE v1.
+struct GemmArgs {
+  const uint64_t* bitmaps;  // [Mt, Kt, 3, 64]
+  const uint8_t* base;      // [Mt, Kt]
+  const int64_t* offsets;   // [Mt, Kt, 2]
+  const uint8_t* sm;        // sign-mantissa stream (16-byte aligned)
+  const uint16_t* fb;       // fallback stream (16-byte aligned)
+  const uint16_t* x;        // bf16 [N, K], row-major, contiguous
+  const uint16_t* bias;     // bf16 [M] or nullptr
+  uint16_t* y;              // bf16 [N, M]
+  float* ws;                // fp32 [split, N, M] when split > 1
+  int M, K, N;
+  int split;                // K parts (already reduced to the non-empty count)
+  int x_vec;                // 1 when K % 8 == 0 and x is 16-byte aligned
+};
+
+struct DecompressArgs {
+  const uint64_t* bitmaps;
+  const uint8_t* base;
+  const int64_t* offsets;
+  const uint8_t* sm;
+  const uint16_t* fb;
+  uint16_t* out;            // bf16 [M, K]
+  int M, K;
+};
+
+struct EncodeArgs {
+  const uint16_t* w;        // bf16 bits [M, K]
+  int M, K;
+  int tm0, tm_count;        // tile rows [tm0, tm0 + tm_count) in this call
+  uint64_t* bitmaps;        // [tm_count * Kt, 3, 64]
+  uint8_t* base;            // [tm_count * Kt]
+  int64_t* hcount;          // [tm_count * Kt]  H of each tile
+  uint8_t* scratch_sm;      // [tm_count * Kt, 4096]
+  uint16_t* scratch_fb;     // [tm_count * Kt, 4096]
+};
+
+struct ScatterArgs {
+  const int64_t* hcount;    // [G]
+  const int64_t* offsets;   // [G, 2] segment starts (already computed)
+  const uint8_t* scratch_sm;
+  const uint16_t* scratch_fb;
+  uint8_t* sm;              // zero-initialised streams
+  uint16_t* fb;
+  int64_t G;
+};
+
+int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream);
+int decompress(const DecompressArgs& a, uintptr_t stream);
+int encode_tiles(const EncodeArgs& a, uintptr_t stream);
+int encode_scatter(const ScatterArgs& a, uintptr_t stream);
+// Sets the dynamic shared-memory attribute of every fused instance on the
+// current device (once per device, before any launch or graph capture).
+int prepare_current_device();
+const char* error_string(int err);
+
+}  // namespace cuda
+}  // namespace zipserv

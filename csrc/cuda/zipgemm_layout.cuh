@@ -1,0 +1,158 @@
+// Index math of the ZipGEMM / decompress kernels, shared with the CPU
+// emulation (csrc/emul/emul.cpp). Everything here is plain C++ marked ZS_HD,
+// so g++ compiles it for the emulation and nvcc for the kernels: a change to
+// a mapping changes both, and tests/test_zipgemm_emulation.py checks it.
+//
+// Thread block: 4 warps (128 threads) over one 64-row tile row of W and
+// kTileN(NT8) = 8 * NT8 columns of X. Warp w owns medium tile mm = w
+// (W rows 16 w .. 16 w + 15 of the tile) and all kTileN columns.
+#pragma once
+
+#include <cstdint>
+
+#include "zipserv/decode_lane.h"
+#include "zipserv/format.h"
+
+namespace zipserv {
+namespace gemm {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMedRows = 16;                            // rows of a medium tile
+constexpr int kFtPerMed = 16;                           // FTs of a medium tile
+constexpr int kMedElems = kFtPerMed * kFragElems;       // 1024
+constexpr int kChunk = 16;                              // bytes per cp.async
+
+// Per-warp staging of a medium tile's value segments (bytes / elements).
+// A warp copies the 16-byte chunks that cover its sub-segment: at most 15
+// bytes before it and the rounding after it, plus the one-element over-read
+// of decode_lane_pair (kSmSlack / kFbSlack).
+constexpr int kSmSlack = 16;
+constexpr int kFbSlack = 8;
+constexpr int kSmStageMaxChunks = (15 + kMedElems + kChunk - 1) / kChunk;      // 65
+constexpr int kFbStageMaxChunks = (7 + kMedElems + 7) / 8;                       // 129
+constexpr int kSmStageBytes = kSmStageMaxChunks * kChunk + kSmSlack;            // 1056
+constexpr int kFbStageElems = kFbStageMaxChunks * 8 + kFbSlack;                 // 1040
+static_assert(kSmStageBytes % 16 == 0 && (kFbStageElems * 2) % 16 == 0, "16-byte aligned staging");
+
+constexpr int kBmpBytes = kPlanes * kFragsPerTile * 8;  // 1536 per tile
+constexpr int kBmpBuffers = 3;                          // tiles t, t+1, t+2
+constexpr int kStages = 2;                              // values + X double buffer
+
+// Supported columns per block: 8 * NT8 for NT8 in {1, 2, 4, 8, 16}.
+ZS_HD int tile_n_of(int nt8) { return 8 * nt8; }
+
+// Bytes of one stage: four warps' value staging + X tile [tile_n][64] bf16.
+ZS_HD int stage_bytes(int tile_n) {
+  return kWarps * (kSmStageBytes + kFbStageElems * 2) + tile_n * kTile * 2;
+}
+// Dynamic shared memory of the fused kernel (fixed per tile_n: the staging
+// is sized by the format's bound, so it never depends on the weight).
+ZS_HD int fused_smem_bytes(int tile_n) { return kBmpBuffers * kBmpBytes + kStages * stage_bytes(tile_n); }
+// Offsets inside the dynamic shared memory.
+ZS_HD int smem_bmp(int buf) { return buf * kBmpBytes; }
+ZS_HD int smem_stage(int tile_n, int stage) { return kBmpBuffers * kBmpBytes + stage * stage_bytes(tile_n); }
+ZS_HD int stage_sm(int warp) { return warp * kSmStageBytes; }
+ZS_HD int stage_fb(int warp) { return kWarps * kSmStageBytes + warp * kFbStageElems * 2; }
+ZS_HD int stage_x(int /*tile_n*/) { return kWarps * (kSmStageBytes + kFbStageElems * 2); }
+
+// Decompress kernel: one tile per block, one stage.
+ZS_HD int decompress_smem_bytes() { return kBmpBytes + kWarps * (kSmStageBytes + kFbStageElems * 2); }
+
+// ---------------------------------------------------------------- A side
+// FT of the tile that feeds A register j (a0..a3) of warp w in K slice kg.
+ZS_HD int a_frag_ft(int warp, int kg, int j) { return warp * kFtPerMed + kg * 4 + j; }
+
+// Lane l's share of the medium-tile counts: it holds the popcounts of FTs
+// l and l + 32; summed over the 32 lanes, `before` is the number of
+// high-frequency elements in FTs < 16 w and `inside` those in FTs 16 w ..
+// 16 w + 15.
+ZS_HD void lane_count_share(int warp, int lane, int pc_lo, int pc_hi, int* before, int* inside) {
+  const int lo = warp * kFtPerMed, hi = lo + kFtPerMed;
+  const int f0 = lane, f1 = lane + 32;
+  *before = (f0 < lo ? pc_lo : 0) + (f1 < lo ? pc_hi : 0);
+  *inside = ((f0 >= lo && f0 < hi) ? pc_lo : 0) + ((f1 >= lo && f1 < hi) ? pc_hi : 0);
+}
+
+// Where warp w's value sub-segments lie and how it copies them.
+struct WarpSegment {
+  int64_t sm_begin;  // first global sm byte copied (16-aligned)
+  int sm_chunks;     // 16-byte chunks copied
+  int sm_local;      // staging index of the warp's first sm byte
+  int64_t fb_begin;  // first global fb element copied (8-aligned)
+  int fb_chunks;     // 16-byte (8-element) chunks copied
+  int fb_local;      // staging index of the warp's first fb element
+};
+
+// hb: high-frequency elements of the tile before FT 16 w; hc: inside the
+// warp's 16 FTs. The copied ranges stay inside the tile's segments
+// [off_sm, off_sm + Hp) and [off_fb, off_fb + Fp): no over-read of the streams.
+ZS_HD WarpSegment warp_segment(int64_t off_sm, int64_t off_fb, int warp, int hb, int hc) {
+  WarpSegment s;
+  const int64_t sm0 = off_sm + hb, sm1 = sm0 + hc;
+  s.sm_begin = sm0 / kChunk * kChunk;
+  s.sm_chunks = static_cast<int>((round_up(sm1, kChunk) - s.sm_begin) / kChunk);
+  s.sm_local = static_cast<int>(sm0 - s.sm_begin);
+  const int fb_before = warp * kMedElems - hb, fb_count = kMedElems - hc;
+  const int64_t fb0 = off_fb + fb_before, fb1 = fb0 + fb_count;
+  s.fb_begin = fb0 / 8 * 8;
+  s.fb_chunks = static_cast<int>((round_up(fb1, 8) - s.fb_begin) / 8);
+  s.fb_local = static_cast<int>(fb0 - s.fb_begin);
+  return s;
+}
+
+// ---------------------------------------------------------------- B side
+// X tile in shared memory: row n (0..tile_n-1) holds k = 0..63 of token n;
+// 16-byte chunk c of row n is stored at chunk c ^ (n % 8), so the 32-bit
+// fragment loads of 8 rows hit 32 distinct banks. Index in bf16 elements.
+ZS_HD int x_smem_index(int n, int k) { return n * kTile + (((k >> 3) ^ (n & 7)) << 3) + (k & 7); }
+
+// B fragment (k16 x n8, "col"): lane l, register r (b0, b1), half e holds
+// k = 2 (l % 4) + e + 8 r of column n = l / 4.
+ZS_HD int b_frag_k(int lane, int r, int e) { return 2 * (lane % 4) + e + 8 * r; }
+ZS_HD int b_frag_n(int lane) { return lane / 4; }
+
+// C fragment (m16 x n8, fp32): lane l, register r (c0..c3) holds row
+// l / 4 + 8 (r / 2) (a W row in the medium tile) and column 2 (l % 4) + r % 2.
+ZS_HD int c_frag_m(int lane, int r) { return lane / 4 + 8 * (r / 2); }
+ZS_HD int c_frag_n(int lane, int r) { return 2 * (lane % 4) + (r % 2); }
+
+// ---------------------------------------------------------------- split-K
+// K tiles per split part and the number of non-empty parts.
+ZS_HD int splitk_per(int kt, int split) { return (kt + split - 1) / split; }
+ZS_HD int splitk_parts(int kt, int split) {
+  const int per = splitk_per(kt, split);
+  return (kt + per - 1) / per;
+}
+ZS_HD void splitk_range(int kt, int split, int part, int* begin, int* end) {
+  const int per = splitk_per(kt, split);
+  *begin = part * per;
+  *end = (*begin + per < kt) ? *begin + per : kt;
+}
+
+// ---------------------------------------------------------------- epilogue
+// fp32 -> bf16 bits, round to nearest even; NaN -> canonical 0x7FC0 (sign kept).
+ZS_HD uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+#if defined(__CUDA_ARCH__)
+  u = __float_as_uint(f);
+#else
+  __builtin_memcpy(&u, &f, 4);
+#endif
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+ZS_HD float bf16_bits_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+}  // namespace gemm
+}  // namespace zipserv
