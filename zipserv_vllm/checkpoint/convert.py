@@ -1,0 +1,438 @@
+"""The checkpoint operations behind ``zipserv compress / decompress / verify / inspect``.
+
+Every operation streams: one tensor is read, converted, written and dropped
+before the next one is read, so peak memory is about the largest tensor plus
+its compressed form, whatever the model size. Outputs are staged in a
+temporary sibling directory (see ``files.staged_directory``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..codec import compress_tensor, decompress_tensor
+from ..format import CompressedTensor, FormatError, high_counts, spec
+from .files import copy_side_files, resolve_source, staged_directory
+from .names import CONFIG_FILE, KINDS, QUANT_METHOD, SINGLE_FILE, compressible, layer_kind, module_name
+from .reader import Checkpoint, CheckpointError, Entry
+from .writer import ShardWriter
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+MODES = ("fast", "exact")
+
+
+# --------------------------------------------------------------------------- statistics
+@dataclass
+class KindStats:
+    tensors: int = 0
+    elements: int = 0
+    before: int = 0  # bytes of the original (BF16 for compressed weights)
+    after: int = 0  # bytes stored
+
+    @property
+    def ratio(self) -> float:
+        return self.before / self.after if self.after else 0.0
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.after / self.elements if self.elements else 0.0
+
+    def add(self, elements: int, before: int, after: int) -> None:
+        self.tensors += 1
+        self.elements += elements
+        self.before += before
+        self.after += after
+
+    def as_dict(self) -> dict:
+        return {"tensors": self.tensors, "elements": self.elements, "bytes_before": self.before,
+                "bytes_after": self.after, "ratio": round(self.ratio, 4), "bits_per_weight": round(self.bits_per_weight, 4)}
+
+
+@dataclass
+class SizeSummary:
+    """Bytes before and after, per kind of layer ("uncompressed" holds every copied tensor)."""
+
+    kinds: dict[str, KindStats] = field(default_factory=lambda: {k: KindStats() for k in KINDS})
+
+    def add(self, kind: str, elements: int, before: int, after: int) -> None:
+        self.kinds.setdefault(kind, KindStats()).add(elements, before, after)
+
+    def _sum(self, names) -> KindStats:
+        out = KindStats()
+        for k in names:
+            s = self.kinds[k]
+            out.tensors += s.tensors
+            out.elements += s.elements
+            out.before += s.before
+            out.after += s.after
+        return out
+
+    @property
+    def compressed(self) -> KindStats:
+        return self._sum([k for k in self.kinds if k != "uncompressed"])
+
+    @property
+    def total(self) -> KindStats:
+        return self._sum(self.kinds)
+
+    def rows(self) -> list[tuple[str, KindStats]]:
+        rows = [(k, s) for k, s in self.kinds.items() if s.tensors]
+        return rows + [("compressed", self.compressed), ("total", self.total)]
+
+    def as_dict(self) -> dict:
+        return {k: s.as_dict() for k, s in self.rows()}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def crc32_of(t: torch.Tensor) -> int:
+    """zlib CRC-32 of the row-major bytes of a tensor (the ``zs_meta`` CRC of a BF16 weight)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy())) if flat.numel() else 0
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _progress(total: int, desc: str, enabled: bool | None):
+    from tqdm import tqdm
+
+    # disable=None: shown on a terminal only. Bytes with SI units, so the rate reads in MB/s or GB/s.
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True,
+                disable=None if enabled is None else not enabled, leave=False)
+
+
+def _write_config(dst: Path, config: dict) -> None:
+    (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _shard_metadata(ck: Checkpoint) -> dict:
+    meta = dict(ck.metadata or {})
+    meta.setdefault("format", "pt")
+    return meta
+
+
+# ----------------------------------------------------------------------------- compress
+@dataclass
+class CompressReport:
+    src: Path
+    dst: Path
+    summary: SizeSummary
+    seconds: float
+    shards: int
+    compressed_modules: list[str]
+    copied_files: list[str]
+    skipped_files: list[str]
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.summary.total.before / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _check_source(ck: Checkpoint) -> None:
+    q = ck.quantization_config
+    if q is not None:
+        method = q.get("quant_method", "?")
+        raise CheckpointError(f"{ck.path}: already quantized ({CONFIG_FILE} has a quantization_config with "
+                              f"quant_method {method!r}); zipserv compresses plain BF16 checkpoints")
+    for e in ck.entries:
+        if e.compressed:
+            raise CheckpointError(f"{ck.path}: holds zipserv arrays ({e.prefix}.zs_*) but {CONFIG_FILE} does not "
+                                  "declare quant_method 'zipserv'")
+        if compressible(e.name, e.shape) and e.dtype != "BF16":
+            raise CheckpointError(f"{ck.path}: tensor {e.name} is {e.dtype}, not BF16: zipserv is lossless for "
+                                  "bfloat16 weights only and will not convert it")
+
+
+def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                        threads: int | None = None, mode: str = "fast", progress: bool | None = None,
+                        backend: str = "auto", check: bool = True,
+                        _on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> CompressReport:
+    """Write a zipserv checkpoint of the BF16 checkpoint ``src`` (a directory or a Hub id) into ``dst``.
+
+    Every ``compressible`` weight becomes its six ``zs_*`` arrays (CRC-32 of the
+    original bytes in ``zs_meta``); everything else is copied unchanged. With
+    ``check`` each weight is decoded again and compared bit for bit before it
+    is written. ``_on_tensor`` is a test hook called with each source tensor.
+    """
+    if mode not in MODES:
+        raise CheckpointError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if max_shard_bytes < 1:
+        raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
+    src_path = resolve_source(src)
+    dst = Path(dst)
+    ck = Checkpoint.open(src_path)
+    _check_source(ck)
+    if dst.resolve() == src_path.resolve():
+        raise CheckpointError(f"{dst}: the destination is the source checkpoint")
+    total = sum(ck.entry_nbytes(e) for e in ck.entries)
+    summary = SizeSummary()
+    modules: list[str] = []
+    start = time.perf_counter()
+    with staged_directory(dst, overwrite) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes, _shard_metadata(ck))
+        bar = _progress(total, "compress", progress)
+        try:
+            for e, t in ck.iter_entries():
+                if _on_tensor is not None:
+                    _on_tensor(e.name, t)
+                nbytes = t.numel() * t.element_size()
+                if compressible(e.name, t):
+                    ct = compress_tensor(t, backend=backend, threads=threads)
+                    ct.crc32 = crc32_of(t)
+                    if check and not _same_bits(decompress_tensor(ct, backend=backend, threads=threads), t):
+                        raise RuntimeError(f"{e.name}: the codec did not round-trip this tensor bit for bit; "
+                                           "refusing to write a lossy checkpoint (this is a zipserv-vllm bug)")
+                    prefix = module_name(e.name)
+                    writer.add({f"{prefix}.{s}": a for s, a in ct.arrays().items()})
+                    summary.add(layer_kind(e.name), t.numel(), nbytes, ct.nbytes)
+                    modules.append(prefix)
+                    del ct
+                else:
+                    writer.add({e.name: t})
+                    summary.add("uncompressed", t.numel(), nbytes, nbytes)
+                del t
+                bar.update(nbytes)
+            weight_map = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            bar.close()
+        config = dict(ck.config)
+        config["quantization_config"] = {
+            "quant_method": QUANT_METHOD,
+            "format_version": spec.VERSION,
+            "mode": mode,
+            "compressed_modules": modules,
+            "producer": f"zipserv-vllm {__version__}",
+        }
+        _write_config(tmp, config)
+        copied, skipped = copy_side_files(src_path, tmp, exclude=set(ck.shards))
+    return CompressReport(src_path, dst, summary, time.perf_counter() - start, len(set(weight_map.values())),
+                          modules, copied, skipped)
+
+
+# --------------------------------------------------------------------------- decompress
+@dataclass
+class DecompressReport:
+    src: Path
+    dst: Path
+    summary: SizeSummary
+    seconds: float
+    shards: int
+
+
+def _open_compressed(path) -> Checkpoint:
+    ck = Checkpoint.open(path)
+    ck.check_format_version()
+    return ck
+
+
+def _decode_checked(e: Entry, ct: CompressedTensor, threads: int | None) -> torch.Tensor:
+    w = decompress_tensor(ct, threads=threads)
+    if ct.crc32 != spec.NO_CRC and crc32_of(w) != (ct.crc32 & 0xFFFFFFFF):
+        raise CheckpointError(f"{e.name}: CRC mismatch (stored {ct.crc32 & 0xFFFFFFFF:08x}, decoded "
+                              f"{crc32_of(w):08x}): the compressed data is corrupt")
+    return w
+
+
+def decompress_checkpoint(src, dst, *, overwrite: bool = False, threads: int | None = None,
+                          progress: bool | None = None) -> DecompressReport:
+    """Rebuild the plain BF16 checkpoint (same tensor names and shards, no quantization_config)."""
+    ck = _open_compressed(src)
+    dst = Path(dst)
+    if dst.resolve() == ck.path.resolve():
+        raise CheckpointError(f"{dst}: the destination is the source checkpoint")
+    summary = SizeSummary()
+    start = time.perf_counter()
+    total = sum(ck.entry_nbytes(e) for e in ck.entries)
+    with staged_directory(dst, overwrite) as tmp:
+        writer = ShardWriter(tmp, None, _shard_metadata(ck))
+        bar = _progress(total, "decompress", progress)
+        names = []
+        try:
+            for shard in ck.shards:
+                for e in ck.shard_entries(shard):
+                    stored = ck.entry_nbytes(e)
+                    if e.compressed:
+                        w = _decode_checked(e, ck.read_compressed(e.name), threads)
+                        summary.add(layer_kind(e.name), w.numel(), w.numel() * 2, stored)
+                    else:
+                        w = ck.read_tensor(e.name)
+                        summary.add("uncompressed", w.numel(), stored, stored)
+                    writer.add({e.name: w})
+                    del w
+                    bar.update(stored)
+                writer.new_shard(force=True)
+                names.append(shard)
+            writer.finish(names if (ck.indexed or names != [SINGLE_FILE]) else None)
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            bar.close()
+        config = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+        _write_config(tmp, config)
+        copy_side_files(ck.path, tmp, exclude=set(ck.shards))
+    return DecompressReport(ck.path, dst, summary, time.perf_counter() - start, len(ck.shards))
+
+
+# ------------------------------------------------------------------------------- verify
+@dataclass
+class VerifyReport:
+    path: Path
+    against: Path | None
+    compressed: int = 0
+    copied: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path, against=None, *, threads: int | None = None,
+                      progress: bool | None = None) -> VerifyReport:
+    """Decode every compressed tensor and check its CRC; with ``against``, compare every tensor bit for bit.
+
+    Structural problems (unreadable shards, incomplete index, missing ``zs_*``
+    arrays, unknown format version) raise; data mismatches are collected in
+    ``report.problems`` (each naming the tensor).
+    """
+    ck = _open_compressed(path)
+    ref = Checkpoint.open(resolve_source(against)) if against is not None else None
+    report = VerifyReport(ck.path, ref.path if ref else None)
+    start = time.perf_counter()
+    declared = ck.config["quantization_config"].get("compressed_modules")
+    found = [e.prefix for e in ck.entries if e.compressed]
+    if isinstance(declared, list) and set(declared) != set(found):
+        missing = sorted(set(declared) - set(found))
+        extra = sorted(set(found) - set(declared))
+        what = f"{missing[0]}.weight is declared compressed in {CONFIG_FILE} but has no zs_* arrays" if missing \
+            else f"{extra[0]}.weight is compressed but not declared in {CONFIG_FILE}"
+        raise FormatError(f"{ck.path}: {what}")
+    if ref is not None:
+        mine = {e.name for e in ck.entries}
+        for e in ref.entries:
+            if e.name not in mine:
+                report.problems.append(f"{e.name}: in {ref.path} but missing from {ck.path}")
+        theirs = {e.name for e in ref.entries}
+        for e in ck.entries:
+            if e.name not in theirs:
+                report.problems.append(f"{e.name}: in {ck.path} but not in {ref.path}")
+    bar = _progress(sum(ck.entry_nbytes(e) for e in ck.entries), "verify", progress)
+    try:
+        for e, value in ck.iter_entries():
+            if e.compressed:
+                w = decompress_tensor(value, threads=threads)
+                if value.crc32 == spec.NO_CRC:
+                    pass
+                elif crc32_of(w) != (value.crc32 & 0xFFFFFFFF):
+                    report.problems.append(f"{e.name}: CRC mismatch (stored {value.crc32 & 0xFFFFFFFF:08x}, "
+                                           f"decoded {crc32_of(w):08x})")
+                report.compressed += 1
+            else:
+                w = value
+                report.copied += 1
+            if ref is not None and e.name in ref.tensors:
+                other = ref.read_tensor(e.name)
+                if not _same_bits(w, other):
+                    detail = (f"{other.dtype} {list(other.shape)} there, {w.dtype} {list(w.shape)} here"
+                              if (other.dtype, tuple(other.shape)) != (w.dtype, tuple(w.shape))
+                              else "the bits differ")
+                    report.problems.append(f"{e.name}: differs from {ref.path} ({detail})")
+                del other
+            report.bytes_checked += ck.entry_nbytes(e)
+            bar.update(ck.entry_nbytes(e))
+            del w, value
+    finally:
+        bar.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# ------------------------------------------------------------------------------ inspect
+def coverage(ct: CompressedTensor) -> float:
+    """Fraction of the real (non-padding) elements that are high-frequency (inside their tile's window)."""
+    m, k = ct.shape
+    mt, kt = ct.grid
+    padding = mt * kt * spec.TILE_ELEMS - m * k
+    return float(int(high_counts(ct.bitmaps).sum()) - padding) / (m * k)
+
+
+def inspect_checkpoint(path) -> dict:
+    """Per-tensor sizes (and, for compressed weights, bits per weight and window coverage) plus totals.
+
+    Reads the arrays, decodes nothing. Works on plain checkpoints too (all
+    tensors are then "uncompressed").
+    """
+    ck = Checkpoint.open(path)
+    version = ck.check_format_version() if ck.compressed else None
+    summary = SizeSummary()
+    rows = []
+    for e, value in ck.iter_entries():
+        stored = ck.entry_nbytes(e)
+        if e.compressed:
+            m, k = value.shape
+            kind = layer_kind(e.name)
+            row = {"name": e.name, "kind": kind, "compressed": True, "dtype": "BF16", "shape": [m, k],
+                   "bytes": stored, "original_bytes": m * k * 2, "ratio": round(m * k * 2 / stored, 4),
+                   "bits_per_weight": round(8.0 * stored / (m * k), 4), "coverage": round(coverage(value), 6),
+                   "tiles": value.grid[0] * value.grid[1], "crc32": None if value.crc32 == spec.NO_CRC
+                   else f"{value.crc32 & 0xFFFFFFFF:08x}", "shard": e.shard}
+            summary.add(kind, m * k, m * k * 2, stored)
+        else:
+            n = value.numel()
+            row = {"name": e.name, "kind": "uncompressed", "compressed": False, "dtype": e.dtype,
+                   "shape": list(e.shape), "bytes": stored, "original_bytes": stored, "ratio": 1.0,
+                   "bits_per_weight": round(8.0 * stored / n, 4) if n else 0.0, "coverage": None,
+                   "tiles": None, "crc32": None, "shard": e.shard}
+            summary.add("uncompressed", n, stored, stored)
+        rows.append(row)
+        del value
+    comp = summary.compressed
+    cov = sum(r["coverage"] * _numel(r["shape"]) for r in rows if r["compressed"])
+    return {
+        "path": str(ck.path),
+        "compressed": ck.compressed,
+        "format_version": version,
+        "mode": ck.config["quantization_config"].get("mode") if ck.compressed else None,
+        "shards": ck.shards,
+        "tensors": rows,
+        "by_kind": summary.as_dict(),
+        "totals": {**summary.total.as_dict(),
+                   "compressed_bits_per_weight": round(comp.bits_per_weight, 4),
+                   "compressed_ratio": round(comp.ratio, 4),
+                   "coverage": round(cov / comp.elements, 6) if comp.elements else None},
+    }
+
+
+def iter_tensors(path, *, decode: bool = False):
+    """(name, tensor) of a checkpoint, one at a time; compressed weights as CompressedTensor or, with
+    ``decode``, as the rebuilt BF16 tensor (CRC-checked)."""
+    ck = Checkpoint.open(path)
+    if ck.compressed:
+        ck.check_format_version()
+    for e, value in ck.iter_entries():
+        if e.compressed and decode:
+            value = _decode_checked(e, value, None)
+        yield e.name, value
