@@ -1,0 +1,132 @@
+"""Unit tests of the paged arena and the tile plans (no vLLM needed)."""
+
+import pytest
+import torch
+
+from zipserv_vllm import compress_tensor, decompress_tensor
+from zipserv_vllm.format import CompressedTensor
+from zipserv_vllm.vllm_plugin.arena import PagedArena
+from zipserv_vllm.vllm_plugin.tiles import TilePlan, compressed_from_table, store_compressed
+
+
+def _w(m, k, seed=0, std=0.02):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * std).to(torch.bfloat16)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def test_put_views_alignment_and_accounting():
+    arena = PagedArena(page_bytes=4096, align=256)
+    a = torch.arange(10, dtype=torch.int64)
+    b = torch.arange(7, dtype=torch.uint8)
+    c = torch.arange(300, dtype=torch.int16)
+    ea, eb, ec = arena.put(a), arena.put(b), arena.put(c)
+    assert [e.slot.offset for e in (ea, eb, ec)] == [0, 256, 512]
+    assert torch.equal(arena.view(ea), a) and torch.equal(arena.view(eb), b) and torch.equal(arena.view(ec), c)
+    assert arena.num_pages == 1 and arena.allocated_bytes == 4096
+    assert arena.used_bytes == 256 + 256 + 768
+    for e in (ea, eb, ec):
+        assert arena.view(e).data_ptr() % 256 == arena.view(ea).data_ptr() % 256
+
+
+def test_new_page_when_full_and_large_arrays_get_own_page():
+    arena = PagedArena(page_bytes=1024, align=256)
+    e1 = arena.put(torch.zeros(900, dtype=torch.uint8))  # 1024 with alignment
+    e2 = arena.put(torch.ones(10, dtype=torch.uint8))    # does not fit: page 1
+    big = torch.arange(5000, dtype=torch.int16)
+    e3 = arena.put(big)                                   # 10000 bytes > page: own page
+    assert (e1.slot.page, e2.slot.page, e3.slot.page) == (0, 1, 2)
+    assert torch.equal(arena.view(e3), big)
+    assert arena.allocated_bytes == 1024 + 1024 + 10240
+
+
+def test_trim_shrinks_partly_used_pages_and_keeps_data():
+    arena = PagedArena(page_bytes=1 << 20)
+    data = [torch.randint(-100, 100, (n,), dtype=torch.int64) for n in (3, 50, 1000)]
+    entries = [arena.put(t) for t in data]
+    assert arena.allocated_bytes == 1 << 20
+    assert arena.trim() is True
+    assert arena.allocated_bytes == arena.used_bytes == 256 + 512 + 8192
+    for e, t in zip(entries, data):
+        assert torch.equal(arena.view(e), t)
+    assert arena.trim() is False
+    e4 = arena.put(torch.ones(4, dtype=torch.uint8))  # a sealed page takes no more slots
+    assert e4.slot.page == 1
+
+
+def test_reserve_commit_is_exact():
+    arena = PagedArena(page_bytes=2048)
+    slots = [arena.reserve(n) for n in (100, 700, 1500, 5000, 10)]
+    with pytest.raises(RuntimeError, match="commit"):
+        arena.raw(slots[0])
+    arena.commit()
+    assert [s.page for s in slots] == [0, 0, 1, 2, 3]
+    assert arena.allocated_bytes == (256 + 768) + 1536 + 5120 + 256
+    arena.raw(slots[3]).fill_(7)
+    assert int(arena.raw(slots[3]).sum()) == 7 * 5000
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="power of two"):
+        PagedArena(align=100)
+    with pytest.raises(ValueError, match="positive"):
+        PagedArena(page_bytes=0)
+
+
+@pytest.mark.parametrize("shape", [(256, 192), (200, 130), (64, 64), (130, 700)])
+def test_store_and_view_round_trip(shape):
+    w = _w(*shape)
+    ct = compress_tensor(w)
+    arena = PagedArena(page_bytes=1 << 16)
+    table = store_compressed(arena, ct)
+    back = compressed_from_table(arena, table, ct.shape)
+    assert back.same_encoding(ct)
+    assert torch.equal(_bits(decompress_tensor(back)), _bits(w))
+
+
+def _execute(plan, page_bytes=1 << 16):
+    arena = PagedArena(page_bytes=page_bytes)
+    table = plan.reserve(arena)
+    arena.commit()
+    plan.copy_into(arena, table)
+    ct = compressed_from_table(arena, table, plan.shape)
+    ct.validate()
+    return ct, arena
+
+
+@pytest.mark.parametrize("dim,start,length", [(0, 0, 128), (0, 64, 136), (1, 0, 64), (1, 128, 72), (1, 64, 64), (None, 0, None)])
+def test_plan_select_equals_narrow(dim, start, length):
+    w = _w(200, 200, seed=3)
+    ct = compress_tensor(w)
+    plan = TilePlan.select(ct, dim, start, length)
+    got, arena = _execute(plan)
+    want = ct.compact() if dim is None else ct.narrow(dim, start, length)
+    assert got.same_encoding(want)
+    ref = w if dim is None else w.narrow(dim, start, length)
+    assert torch.equal(_bits(decompress_tensor(got)), _bits(ref))
+    assert arena.used_bytes >= plan.nbytes
+
+
+def test_plan_cat_equals_cat_and_reads_only_own_ranges():
+    q, k, v = _w(256, 128, 1), _w(128, 128, 2), _w(128, 128, 3)
+    cts = [compress_tensor(t) for t in (q, k, v)]
+    # rank 1 of TP=2: second half of each
+    plans = [TilePlan.select(c, 0, c.shape[0] // 2, c.shape[0] // 2) for c in cts]
+    plan = TilePlan.cat(plans)
+    got, _ = _execute(plan)
+    want = CompressedTensor.cat([c.narrow(0, c.shape[0] // 2, c.shape[0] // 2) for c in cts])
+    assert got.same_encoding(want)
+    # A row block of a canonical matrix is one contiguous range per stream.
+    assert all(len(p.pieces["sm"]) == 1 and len(p.pieces["bitmaps"]) == 1 for p in plans)
+    assert plan.sizes["sm"] == sum(c.narrow(0, c.shape[0] // 2, c.shape[0] // 2).sm.numel() for c in cts)
+
+
+def test_plan_refuses_unaligned():
+    ct = compress_tensor(_w(200, 200))
+    with pytest.raises(ValueError, match="tile boundaries"):
+        TilePlan.select(ct, 0, 32, 64)
+    with pytest.raises(ValueError, match="rows"):
+        TilePlan.cat([TilePlan.select(ct, 0, 128, 72), TilePlan.select(ct, 0, 0, 64)])

@@ -1,0 +1,35 @@
+"""vLLM plugin: the ``zipserv`` quantization method (lossless compressed BF16 weights).
+
+vLLM calls :func:`register` in every process through the
+``vllm.general_plugins`` entry point declared in pyproject.toml. Importing this
+package imports no vLLM (so :mod:`.arena` and :mod:`.tiles` work without it);
+``register()`` imports the vLLM-facing modules, whose import runs
+``@register_quantization_config("zipserv")``.
+
+Modules:
+  * :mod:`.version`  - the vLLM versions this plugin is tested with (one place).
+  * :mod:`.config`   - ``ZipServConfig`` (quant_method ``zipserv``, modes, preflight checks).
+  * :mod:`.methods`  - linear / embedding methods (pre-compressed and pack-at-load).
+  * :mod:`.loading`  - per-layer state, tensor-parallel tile selection, completeness checks.
+  * :mod:`.gemm`     - the exact-mode GEMM: the same kernel vLLM's unquantized path runs.
+  * :mod:`.arena`, :mod:`.tiles` - the paged arena and byte-range plans (no vLLM).
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``zipserv`` quantization config with vLLM (idempotent, cheap)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from . import version
+
+    version.warn_if_unsupported()
+    from . import config  # noqa: F401  (runs @register_quantization_config)
+
+
+__all__ = ["register"]

@@ -1,0 +1,217 @@
+"""``ZipServConfig``: the ``zipserv`` quantization method as vLLM sees it.
+
+* A pre-compressed checkpoint declares itself in config.json
+  (``"quantization_config": {"quant_method": "zipserv", "format_version": 1, "mode": ...}``);
+  vLLM then picks this config with no flag (``--quantization zipserv`` is accepted too).
+* ``--quantization zipserv`` on a plain BF16 checkpoint (no ``quantization_config``)
+  makes vLLM call ``ZipServConfig()`` with no arguments: pack at load.
+
+Mode: ``ZIPSERV_MODE`` (``fast`` | ``exact``) wins over the checkpoint's
+``"mode"``; the default is ``fast``. Arena page size: ``ZIPSERV_ARENA_PAGE_MB``
+(default 64).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+from ..format import spec
+from . import loading, methods
+from .arena import DEFAULT_PAGE_BYTES, PagedArena
+from .log import logger
+from .version import check_vllm_version
+
+NAME = "zipserv"
+MODES = ("fast", "exact")
+
+
+def resolve_mode(checkpoint_mode: str | None) -> str:
+    """``ZIPSERV_MODE`` if set, else the checkpoint's mode, else ``fast``."""
+    env = os.environ.get("ZIPSERV_MODE")
+    mode = (env or checkpoint_mode or "fast").strip().lower()
+    if mode not in MODES:
+        source = "ZIPSERV_MODE" if env else "the checkpoint's quantization_config.mode"
+        raise ValueError(f"zipserv: {source} is {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _page_bytes() -> int:
+    env = os.environ.get("ZIPSERV_ARENA_PAGE_MB")
+    if not env:
+        return DEFAULT_PAGE_BYTES
+    try:
+        mb = float(env)
+    except ValueError:
+        raise ValueError(f"zipserv: ZIPSERV_ARENA_PAGE_MB must be a number of MiB, got {env!r}") from None
+    if mb <= 0:
+        raise ValueError(f"zipserv: ZIPSERV_ARENA_PAGE_MB must be positive, got {env!r}")
+    return int(mb * (1 << 20))
+
+
+@register_quantization_config(NAME)
+class ZipServConfig(QuantizationConfig):
+    """Lossless TCA-TBE compressed BF16 weights (pre-compressed or packed at load)."""
+
+    def __init__(self, precompressed: bool = False, mode: str | None = None, format_version: int = spec.VERSION,
+                 extra: dict[str, Any] | None = None):
+        super().__init__()
+        check_vllm_version()
+        if format_version not in spec.SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"zipserv: checkpoint format_version {format_version} is not supported by this zipserv-vllm "
+                f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
+        self.precompressed = precompressed
+        self.checkpoint_mode = mode
+        self.mode = resolve_mode(mode)
+        self.format_version = format_version
+        self.extra = dict(extra or {})
+        self.page_bytes = _page_bytes()
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._states: list[loading.LayerState] = []
+        self._arenas: dict[str, PagedArena] = {}
+        self._executed = False
+        self._finished = False
+
+    # vLLM pickles the config from the front-end to the workers: ship settings, not state.
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        for k in ("_states", "_arenas", "_executed", "_finished"):
+            d.pop(k, None)
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return (f"ZipServConfig(precompressed={self.precompressed}, mode={self.mode!r}, "
+                f"format_version={self.format_version})")
+
+    # ----------------------------------------------------------- vLLM API
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # fused CUDA kernels need sm_80 (mma.m16n8k16 BF16); never consulted on CPU
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # with the flag and no quantization_config, vLLM calls ZipServConfig()
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ZipServConfig":
+        method = str(config.get("quant_method", NAME)).lower()
+        if method != NAME:
+            raise ValueError(f"zipserv: quantization_config.quant_method is {method!r}, expected {NAME!r}")
+        version = config.get("format_version")
+        if version is None:
+            raise ValueError("zipserv: quantization_config has no format_version (a zipserv checkpoint writes 1)")
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise ValueError(f"zipserv: quantization_config.format_version is {version!r}, not an integer") from None
+        known = {"quant_method", "format_version", "mode"}
+        return cls(precompressed=True, mode=config.get("mode"), format_version=version,
+                   extra={k: v for k, v in config.items() if k not in known})
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
+        """Preflight a local pre-compressed checkpoint (headers only, front-end)."""
+        if not self.precompressed:
+            return
+        path = Path(model_name)
+        if not path.is_dir():
+            logger.info("zipserv: %s is not a local directory; checkpoint preflight skipped", model_name)
+            return
+        from .preflight import check_checkpoint
+
+        counts = check_checkpoint(path)
+        logger.info("zipserv: checkpoint %s: %d compressed matrices in %d shard(s), mode %s",
+                    path, counts["compressed"], counts["shards"], self.mode)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        loading.set_packed_mapping(self.packed_modules_mapping)
+        if isinstance(layer, LinearBase):
+            cls = methods.ZipServLinearMethod if self.precompressed else methods.ZipServOnlineLinearMethod
+            return cls(self)
+        if isinstance(layer, VocabParallelEmbedding):
+            cls = methods.ZipServEmbeddingMethod if self.precompressed else methods.ZipServOnlineEmbeddingMethod
+            return cls(self)
+        name = type(layer).__name__
+        if "MoE" in name or "Experts" in name:
+            logger.warning_once("zipserv: %s layers are not compressed (only linear and embedding layers are); "
+                                "kept BF16", name)
+        return None
+
+    # ------------------------------------------------------- loading state
+    def register_state(self, st: loading.LayerState) -> None:
+        self._states.append(st)
+
+    def arena(self, device: torch.device) -> PagedArena:
+        key = str(torch.device(device))
+        if key not in self._arenas:
+            self._arenas[key] = PagedArena(device, page_bytes=self.page_bytes)
+        return self._arenas[key]
+
+    def execute_plan(self) -> None:
+        """Pre-compressed: load every recorded layer's tiles (first call only)."""
+        if self._executed:
+            return
+        self._executed = True
+        loading.execute_precompressed([s for s in self._states if s.layer is not None], self.arena)
+        self.finish_loading()
+
+    def finish_loading(self) -> None:
+        """Once all layers are loaded: shrink partly used pages and log the memory summary."""
+        if self._finished:
+            return
+        self._finished = True
+        for arena in self._arenas.values():
+            if arena.trim():
+                for st in self._states:
+                    if st.arena is arena and st.tables:
+                        st.bind()
+        self.log_summary()
+
+    def memory_summary(self) -> dict[str, int]:
+        """Exact bytes: arena pages vs the BF16 weights they replace."""
+        live = [s for s in self._states if s.layer is not None and s.tied_to is None]
+        comp = [s for s in live if s.parts]
+        return {
+            "layers_compressed": len(comp),
+            "layers_bf16": sum(1 for s in live if s.bf16),
+            "arena_pages": sum(a.num_pages for a in self._arenas.values()),
+            "arena_allocated_bytes": sum(a.allocated_bytes for a in self._arenas.values()),
+            "arena_used_bytes": sum(a.used_bytes for a in self._arenas.values()),
+            "compressed_bf16_bytes": sum(2 * s.rows * s.cols for s in comp),
+        }
+
+    def log_summary(self) -> None:
+        m = self.memory_summary()
+        if not m["layers_compressed"]:
+            return
+        ratio = m["compressed_bf16_bytes"] / max(1, m["arena_allocated_bytes"])
+        paths: dict[str, int] = {}
+        for s in self._states:
+            if s.path:
+                paths[s.path] = paths.get(s.path, 0) + 1
+        logger.info(
+            "zipserv: %d layers compressed (%s), %d kept BF16; arena %d page(s), %.2f MiB allocated "
+            "for %.2f MiB of BF16 weights (%.3fx, %.2f MiB saved), mode %s",
+            m["layers_compressed"], ", ".join(f"{v} {k}" for k, v in sorted(paths.items())), m["layers_bf16"],
+            m["arena_pages"], m["arena_allocated_bytes"] / 2**20, m["compressed_bf16_bytes"] / 2**20, ratio,
+            (m["compressed_bf16_bytes"] - m["arena_allocated_bytes"]) / 2**20, self.mode)

@@ -1,0 +1,43 @@
+"""Exact mode's GEMM: the very kernel vLLM's unquantized path would run.
+
+vLLM's unquantized linear layers do not call ``F.linear`` on CPU: at load time
+``dispatch_cpu_unquantized_gemm`` picks a kernel for the weight's shape and
+CPU (SGL ``weight_packed_linear`` with AMX for small weights, a prepacked
+oneDNN matmul otherwise, zentorch on Zen builds, ``F.linear`` as fallback) and
+stores it as ``layer.cpu_linear`` (vllm-plugin-notes, pitfall 5). Exact mode
+decodes the weight and hands it to that same dispatcher on a throw-away holder,
+so the product is computed by the same kernel, with the same packing and bias
+dtype, as in the BF16 model: outputs are bit-identical. On other platforms it
+uses vLLM's ``dispatch_unquantized_gemm()`` the same way.
+
+The packed copy lives only for the call (caching it would keep a BF16-sized
+copy and undo the compression).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _GemmHolder:
+    """The attributes ``dispatch_cpu_unquantized_gemm`` reads and writes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight
+        # The dispatcher may convert the bias in place (.data = bias.float()); use a private handle.
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by the kernel vLLM's unquantized layer would use."""
+    from vllm.platforms import current_platform
+
+    holder = _GemmHolder(weight, bias)
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)  # type: ignore[arg-type]
+        return holder.cpu_linear(x, weight, holder.bias)
+    from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
+
+    return dispatch_unquantized_gemm()(holder, x, weight, bias)

@@ -1,0 +1,328 @@
+"""zipserv's vLLM quantize methods: every linear layer, the embedding and lm_head.
+
+Two ways in, one runtime:
+
+* **pre-compressed** (``ZipServConfig.precompressed``): placeholders record the
+  checkpoint's ``.zs_*`` tensors and the first ``process_weights_after_loading``
+  loads each rank's tiles into the paged arena (see :mod:`.loading`).
+* **pack at load** (a BF16 checkpoint with ``--quantization zipserv``): the
+  weight is created on the meta device and vLLM's layer-wise loading
+  (``uses_meta_device`` + ``initialize_online_processing``) materialises one layer
+  at a time; ``process_weights_after_loading`` compresses it into the arena and
+  drops the BF16 copy, so the peak is about the compressed model plus one layer.
+
+At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
+
+* ``exact``: decode (``zipserv::decompress``) and run the GEMM vLLM's
+  unquantized layer would run (:func:`.gemm.exact_linear`): bit-identical
+  outputs to the BF16 model in eager mode;
+* ``fast``: ``zipserv_vllm.linear(x, ct, bias, mode="fast")`` (``zipserv::gemm``),
+  where fused decode-GEMM kernels plug in.
+
+The embedding decodes only the tile rows (64 vocabulary rows each) that the
+batch's ids touch, then gathers.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+
+from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.utils import set_weight_attrs
+
+from .. import ops
+from ..format import CompressedTensor, spec
+from . import loading
+from .gemm import exact_linear
+from .log import logger
+
+_STATE = "_zs_state"
+
+
+def _state(layer) -> loading.LayerState:
+    return layer.__dict__[_STATE]
+
+
+def _decode(ct: CompressedTensor) -> torch.Tensor:
+    return torch.ops.zipserv.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1])
+
+
+def _full_weight(st: loading.LayerState) -> torch.Tensor:
+    """The rank's BF16 weight rebuilt from its parts (zero rows for vocab padding)."""
+    ws = [_decode(p) for p in st.parts]
+    pad = st.rows - st.compressed_rows
+    if pad:
+        ws.append(torch.zeros(pad, st.cols, dtype=torch.bfloat16, device=ws[0].device))
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+
+def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """``x @ W.T + bias`` for the compressed layer ``st`` in ``mode``."""
+    if not st.parts:
+        raise RuntimeError(f"zipserv: layer {st.prefix} was never loaded")
+    if mode == "exact":
+        return exact_linear(x, _full_weight(st), bias)
+    outs, row = [], 0
+    for p in st.parts:
+        b = None if bias is None else bias[row : row + p.shape[0]]
+        outs.append(ops.linear(x, p, b, mode="fast"))
+        row += p.shape[0]
+    pad = st.rows - row
+    if pad:
+        tail = x.new_zeros((*x.shape[:-1], pad))
+        if bias is not None:
+            tail = tail + bias[row:]
+        outs.append(tail)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def compressed_embedding(st: loading.LayerState, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the compressed table, decoding only the tile rows they touch."""
+    if not st.parts:
+        raise RuntimeError(f"zipserv: embedding {st.prefix} was never loaded")
+    if len(st.parts) != 1:
+        return F.embedding(ids, _full_weight(st))
+    ct = st.parts[0]
+    flat = ids.reshape(-1)
+    tile_rows = torch.unique(flat.clamp(0, st.rows - 1) // spec.TILE)  # sorted
+    n_ct_tiles = ct.grid[0]
+    live = tile_rows[tile_rows < n_ct_tiles]  # rows past the compressed ones are vocab padding (zeros)
+    if live.numel() == 0:
+        return torch.zeros((*ids.shape, st.cols), dtype=torch.bfloat16, device=ids.device)
+    idx = live.to(ct.bitmaps.device)
+    last_rows = ct.shape[0] - (n_ct_tiles - 1) * spec.TILE
+    m = (live.numel() - 1) * spec.TILE + (last_rows if int(live[-1]) == n_ct_tiles - 1 else spec.TILE)
+    # The selected tiles keep their segment starts: offsets may point anywhere in the streams.
+    sub = torch.ops.zipserv.decompress(ct.bitmaps[idx].contiguous(), ct.base[idx].contiguous(),
+                                       ct.offsets[idx].contiguous(), ct.sm, ct.fb, m, ct.shape[1])
+    table = torch.cat([sub, sub.new_zeros(1, st.cols)])  # last row: zeros for padding ids
+    # Position of each id's row inside ``sub`` (or the zero row).
+    pos_of_tile = torch.full((st.rows // spec.TILE + 1,), -1, dtype=torch.long, device=flat.device)
+    pos_of_tile[live.to(flat.device)] = torch.arange(live.numel(), device=flat.device)
+    tile = flat // spec.TILE
+    within = flat % spec.TILE
+    rank = pos_of_tile[tile.clamp(max=pos_of_tile.numel() - 1)]
+    pos = torch.where((rank >= 0) & (flat < ct.shape[0]), rank * spec.TILE + within, torch.full_like(flat, m))
+    return F.embedding(pos, table).reshape(*ids.shape, st.cols)
+
+
+# =========================================================================== base
+class _ZipServMethodBase:
+    """Shared by the linear and embedding methods."""
+
+    requires_device_loading = False  # zipserv allocates on the target device itself
+    kind = "linear"
+
+    def __init__(self, config):
+        self.config = config
+
+    def _new_state(self, layer, rows: int, cols: int, expected, orig_loader) -> loading.LayerState:
+        st = loading.LayerState(
+            prefix=getattr(layer, "prefix", "") or getattr(layer, "_zs_prefix", ""),
+            kind=self.kind, rows=rows, cols=cols, device=torch.empty(0).device,
+            expected_shards=list(expected), orig_loader=orig_loader, layer_ref=weakref.ref(layer),
+        )
+        layer.__dict__[_STATE] = st
+        self.config.register_state(st)
+        return st
+
+    @staticmethod
+    def _expected_shards(layer):
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+        if isinstance(layer, QKVParallelLinear):
+            return ["q", "k", "v"]
+        if isinstance(layer, MergedColumnParallelLinear):
+            return list(range(len(layer.output_sizes)))
+        return [None]
+
+    # ------------------------------------------------------------ creation
+    def _create_precompressed(self, layer, rows, cols, extra) -> None:
+        orig = extra.pop("weight_loader", None)
+        st = self._new_state(layer, rows, cols, self._expected_shards(layer), orig)
+        for name in (*loading.SUFFIXES, loading.WEIGHT):
+            dtype = torch.bfloat16 if name == loading.WEIGHT else torch.uint8
+            p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, {"weight_loader": loading.recorder(st, name)})
+        st.device = layer.weight.device
+
+    def _create_online(self, layer, rows, cols, extra) -> None:
+        orig = extra.get("weight_loader")
+        st = self._new_state(layer, rows, cols, self._expected_shards(layer), orig)
+        st.device = torch.empty(0).device
+        w = Parameter(torch.empty(rows, cols, dtype=torch.bfloat16, device="meta"), requires_grad=False)
+        layer.register_parameter("weight", w)
+        set_weight_attrs(w, {"input_dim": 1, "output_dim": 0})
+        set_weight_attrs(w, extra)
+        initialize_online_processing(layer)
+
+    # ---------------------------------------------------------- processing
+    def _process(self, layer) -> None:
+        st = _state(layer)
+        if st.done:
+            self.config.finish_loading()  # every layer has been processed once: loading is over
+        elif st.tied_to is not None:
+            st.done = True
+        elif self.config.precompressed:
+            self.config.execute_plan()  # loads every recorded layer at once
+        if st.bf16 and not getattr(layer, "_zs_unq_done", False):
+            self._bf16_process(layer)
+        if st.done:
+            return
+        w = layer.weight
+        if w.is_meta:
+            raise loading.ZipServLoadError(f"zipserv: no weights were loaded for {st.prefix}.weight "
+                                           f"(the checkpoint has no tensor for this layer)")
+        try:
+            loading.pack_layer(st, w.data, self.config.arena(w.device))
+        except (TypeError, ValueError) as exc:
+            logger.info("zipserv: %s cannot be compressed (%s); kept BF16", st.prefix, exc)
+            st.bf16, st.done, st.path = True, True, "bf16"
+            self._bf16_process(layer)
+            return
+        layer.weight = Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+    def _bf16_process(self, layer) -> None:
+        raise NotImplementedError
+
+
+# ========================================================================= linear
+class ZipServLinearMethod(_ZipServMethodBase, LinearMethodBase):
+    """Pre-compressed checkpoint: record the ``.zs_*`` tensors, load tiles later."""
+
+    online = False
+
+    def __init__(self, config):
+        _ZipServMethodBase.__init__(self, config)
+        self._unq: UnquantizedLinearMethod | None = None
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        rows, cols = sum(output_partition_sizes), input_size_per_partition
+        if params_dtype != torch.bfloat16:
+            # Not a BF16 weight: compressing would not be lossless. vLLM's own path runs it.
+            logger.info("zipserv: %s has dtype %s, not bfloat16; kept uncompressed",
+                        getattr(layer, "prefix", "?"), params_dtype)
+            self._unq = UnquantizedLinearMethod()
+            layer.__dict__[_STATE] = None
+            self._unq.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
+                                     output_size, params_dtype, **extra_weight_attrs)
+            return
+        if self.online:
+            self._create_online(layer, rows, cols, extra_weight_attrs)
+        else:
+            self._create_precompressed(layer, rows, cols, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if layer.__dict__.get(_STATE) is None:
+            if self._unq is not None and not getattr(layer, "_zs_unq_done", False):
+                layer._zs_unq_done = True
+                self._unq.process_weights_after_loading(layer)
+            return
+        self._process(layer)
+
+    def _bf16_process(self, layer) -> None:
+        if self._unq is None:
+            self._unq = UnquantizedLinearMethod()
+        layer._zs_unq_done = True
+        self._unq.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        st = layer.__dict__.get(_STATE)
+        if st is None or st.bf16:
+            return self._unq.apply(layer, x, bias)
+        return compressed_linear(st, x, bias, self.config.mode)
+
+
+class ZipServOnlineLinearMethod(ZipServLinearMethod):
+    """Pack at load: BF16 checkpoint compressed layer by layer while vLLM loads it."""
+
+    online = True
+    uses_meta_device = True
+
+
+# ====================================================================== embedding
+class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
+    """``VocabParallelEmbedding`` (input embedding) and ``ParallelLMHead``."""
+
+    online = False
+    kind = "embedding"
+
+    def __init__(self, config):
+        _ZipServMethodBase.__init__(self, config)
+        self._unq = UnquantizedEmbeddingMethod()
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        rows, cols = sum(output_partition_sizes), input_size_per_partition
+        if params_dtype != torch.bfloat16:
+            logger.info("zipserv: %s has dtype %s, not bfloat16; kept uncompressed",
+                        getattr(layer, "prefix", "?") or type(layer).__name__, params_dtype)
+            layer.__dict__[_STATE] = None
+            self._unq.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
+                                     output_size, params_dtype, **extra_weight_attrs)
+            return
+        # Llama-style models build the input embedding without a prefix (vllm-plugin-notes section 4).
+        layer._zs_prefix = "embed_tokens"
+        if self.online:
+            self._create_online(layer, rows, cols, extra_weight_attrs)
+        else:
+            self._create_precompressed(layer, rows, cols, extra_weight_attrs)
+        _state(layer).expected_shards = [None]
+
+    def process_weights_after_loading(self, layer) -> None:
+        st = layer.__dict__.get(_STATE)
+        if st is None:
+            if not getattr(layer, "_zs_unq_done", False):
+                layer._zs_unq_done = True
+                self._unq.process_weights_after_loading(layer)
+            return
+        self._process(layer)
+
+    def _bf16_process(self, layer) -> None:
+        layer._zs_unq_done = True
+        self._unq.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        st = layer.__dict__.get(_STATE)
+        if st is None or st.bf16:
+            return self._unq.apply(layer, x, bias)
+        src = st.source()
+        if src.bf16:
+            return self._unq.apply(src.layer, x, bias)
+        return compressed_linear(src, x, bias, self.config.mode)
+
+    def embedding(self, layer, input_):
+        st = layer.__dict__.get(_STATE)
+        if st is None or st.bf16:
+            return self._unq.embedding(layer, input_)
+        return compressed_embedding(st.source(), input_)
+
+    def tie_weights(self, layer, embed_tokens):
+        """lm_head shares the embedding's compressed table (no copy)."""
+        st, src = layer.__dict__.get(_STATE), embed_tokens.__dict__.get(_STATE)
+        if st is None or src is None:
+            return self._unq.tie_weights(layer, embed_tokens)
+        st.tied_to = src
+        st.expected_shards = []
+        # Replace the head's own placeholders: nothing is loaded into a tied head.
+        for name in list(layer._parameters):
+            if name == "weight" or name in loading.SUFFIXES:
+                delattr(layer, name)
+        p = Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        layer.register_parameter("weight", p)
+        set_weight_attrs(p, {"weight_loader": loading.ignore_loader})
+        return layer
+
+
+class ZipServOnlineEmbeddingMethod(ZipServEmbeddingMethod):
+    online = True
+    uses_meta_device = True
