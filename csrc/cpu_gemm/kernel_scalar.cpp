@@ -1,0 +1,100 @@
+// Portable scalar fused decode-GEMM: the readable statement of the summation
+// contract of zipserv/cpu_gemm.h, and the fallback on any CPU. Each 64 x 64
+// tile is decoded (FORMAT.md section 5) into a small natural-order buffer and
+// consumed at once.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "zipserv/cpu_gemm.h"
+
+namespace zipserv {
+namespace cpu {
+namespace {
+
+// Decodes tile g into out[64][64] (row-major, tile coordinates). Returns false
+// when its segments are malformed.
+bool decode_tile(const Matrix& w, int64_t g, uint16_t* out) {
+  const uint64_t* planes = w.bitmaps + g * kPlanes * kFragsPerTile;
+  int64_t h = 0;
+  for (int f = 0; f < kFragsPerTile; ++f) {
+    h += __builtin_popcountll(planes[f] | planes[kFragsPerTile + f] | planes[2 * kFragsPerTile + f]);
+  }
+  if (!tile_ok(w, g, h)) return false;
+  const uint8_t* sm = w.sm + w.offsets[2 * g];
+  const uint16_t* fb = w.fb + w.offsets[2 * g + 1];
+  const int base = w.base[g];
+  for (int f = 0; f < kFragsPerTile; ++f) {
+    const int r0 = frag_row0(f), c0 = frag_col0(f);
+    for (int p = 0; p < kFragElems; ++p) {
+      int code = 0;
+      for (int b = 0; b < kPlanes; ++b) code |= static_cast<int>((planes[b * kFragsPerTile + f] >> p) & 1u) << b;
+      out[(r0 + p / kFrag) * kTile + c0 + p % kFrag] = code ? assemble(*sm++, base, code) : *fb++;
+    }
+  }
+  return true;
+}
+
+struct Scratch {
+  std::vector<float> acc;  // [64 rows][n][4 lanes]
+  uint16_t tile[kTileElems];
+};
+
+thread_local Scratch scratch;
+
+void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
+  const Matrix& w = job.w;
+  const int64_t n = job.n;
+  Scratch& s = scratch;
+  s.acc.resize(static_cast<size_t>(kTile * n * 4));
+  for (int64_t tm = tm0; tm < tm1; ++tm) {
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    for (int64_t tk = 0; tk < w.kt; ++tk) {
+      const int64_t g = tm * w.kt + tk;
+      if (!decode_tile(w, g, s.tile)) {
+        report_bad(job.bad_tile, g);
+        return;
+      }
+      for (int r = 0; r < kTile; ++r) {
+        for (int64_t t = 0; t < n; ++t) {
+          float* a = &s.acc[(r * n + t) * 4];
+          const float* x = job.x + t * job.kp + tk * kTile;
+          for (int c = 0; c < kTile; ++c) {
+            a[c & 3] = std::fma(bf16_to_float(s.tile[r * kTile + c]), x[c], a[c & 3]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < kTile; ++r) {
+      const int64_t m = tm * kTile + r;
+      if (m >= w.m) break;
+      for (int64_t t = 0; t < n; ++t) job.y[t * w.m + m] = finish_output(&s.acc[(r * n + t) * 4], job.bias, m);
+    }
+  }
+}
+
+void decode_rows(const DecodeJob& job, int64_t tm0, int64_t tm1) {
+  const Matrix& w = job.w;
+  Scratch& s = scratch;
+  for (int64_t tm = tm0; tm < tm1; ++tm) {
+    for (int64_t tk = 0; tk < w.kt; ++tk) {
+      const int64_t g = tm * w.kt + tk;
+      if (!decode_tile(w, g, s.tile)) {
+        report_bad(job.bad_tile, g);
+        return;
+      }
+      for (int r = 0; r < kTile && tm * kTile + r < w.m; ++r) {
+        const int64_t cols = std::min<int64_t>(kTile, w.k - tk * kTile);
+        std::memcpy(job.out + (tm * kTile + r) * w.k + tk * kTile, s.tile + r * kTile, cols * 2);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Kernel scalar_kernel() { return {"scalar", gemm_rows, decode_rows}; }
+
+}  // namespace cpu
+}  // namespace zipserv

@@ -1,0 +1,115 @@
+// Fused decode-GEMM on the CPU: Y[N, M] = X[N, K] . W[M, K]^T (+ bias) read
+// straight from TCA-TBE v1 (docs/FORMAT.md), never materialising W.
+//
+// This header is shared by the per-ISA kernel files of csrc/cpu_gemm/. It has
+// no framework types (arrays arrive as raw pointers from pybind11).
+//
+// The summation order is part of the contract, so that every ISA (scalar,
+// AVX2, AVX-512) gives bit-identical results:
+//   * X is widened to fp32 and zero-padded to Kp = 64 * Kt columns; W's
+//     padding columns are finite (FORMAT.md section 1), so they add +0.
+//   * Output (n, m) keeps 4 fp32 lanes; lane l accumulates, for k = l, l + 4,
+//     l + 8, ... < Kp in increasing k, acc = fma(w[m][k], x[n][k], acc)
+//     starting from +0.
+//   * y = (lane0 + lane1) + (lane2 + lane3), then y = y + float(bias[m]),
+//     then round-to-nearest-even to bf16 like torch (any NaN -> 0x7FC0).
+//   * The kernels run with the default MXCSR (no FTZ/DAZ), set on entry.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "zipserv/format.h"
+
+namespace zipserv {
+namespace cpu {
+
+// One compressed matrix: the arrays of FORMAT.md section 6.
+struct Matrix {
+  const uint64_t* bitmaps;  // [Mt][Kt][3][64]
+  const uint8_t* base;      // [Mt][Kt]
+  const int64_t* offsets;   // [Mt][Kt][2]
+  const uint8_t* sm;
+  int64_t sm_len;
+  const uint16_t* fb;
+  int64_t fb_len;
+  int64_t m, k, mt, kt;
+};
+
+// One call of the fused GEMM.
+struct GemmJob {
+  Matrix w;
+  const float* x;        // [n][kp] fp32, zero-padded
+  int64_t n, kp;
+  const uint16_t* bias;  // [m] bf16 bits or nullptr
+  uint16_t* y;           // [n][m] bf16 bits
+  std::atomic<int64_t>* bad_tile;  // first malformed tile index seen, else -1
+};
+
+// One call of the decode-only entry (tests the fused decode bit for bit).
+struct DecodeJob {
+  Matrix w;
+  uint16_t* out;  // [m][k] bf16 bits
+  std::atomic<int64_t>* bad_tile;
+};
+
+// A kernel processes tile rows [tm0, tm1). Scratch memory is thread-local.
+using GemmRowsFn = void (*)(const GemmJob&, int64_t tm0, int64_t tm1);
+using DecodeRowsFn = void (*)(const DecodeJob&, int64_t tm0, int64_t tm1);
+
+struct Kernel {
+  const char* name;
+  GemmRowsFn gemm_rows;
+  DecodeRowsFn decode_rows;
+};
+
+Kernel scalar_kernel();
+Kernel avx2_kernel();
+Kernel avx512_kernel();
+bool avx2_supported();
+bool avx512_supported();
+
+// Shared helpers -----------------------------------------------------------
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// torch's c10::BFloat16 rounding: RNE, every NaN becomes 0x7FC0.
+inline uint16_t float_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t finish_output(const float lanes[4], const uint16_t* bias, int64_t m) {
+  float y = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  if (bias) y = y + bf16_to_float(bias[m]);
+  return float_to_bf16(y);
+}
+
+// Checks tile g's segments (FORMAT.md section 5) given its high count h.
+inline bool tile_ok(const Matrix& w, int64_t g, int64_t h) {
+  const int64_t off_sm = w.offsets[2 * g], off_fb = w.offsets[2 * g + 1];
+  return off_sm % kSmAlign == 0 && off_fb % kFbAlign == 0 && off_sm >= 0 && off_fb >= 0 &&
+         off_sm + sm_segment_len(h) <= w.sm_len && off_fb + fb_segment_len(h) <= w.fb_len;
+}
+
+inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
+  int64_t cur = bad->load();
+  while ((cur < 0 || g < cur) && !bad->compare_exchange_weak(cur, g)) {
+  }
+}
+
+// Runs fn(tm0, tm1) over [0, items) on `threads` threads of the persistent pool
+// (the caller is one of them). Items are handed out dynamically; every item is
+// computed entirely by one thread, so results do not depend on `threads`.
+void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
+
+}  // namespace cpu
+}  // namespace zipserv

@@ -1,0 +1,140 @@
+"""Python side of the fused decode-GEMM CPU kernels (``zipserv_vllm._cpu_gemm``).
+
+``fused_linear(x, ct, bias)`` computes ``F.linear(x, W, bias)`` for bf16 ``x``
+straight from the compressed ``ct`` (docs/CPU.md): tiles are decoded into
+cache-resident buffers and consumed at once, W is never materialised. The
+result is rounded from an fp32 sum whose order is fixed (csrc/include/zipserv/
+cpu_gemm.h), so every ISA and thread count gives the same bits; it differs from
+torch's BF16 GEMM only by fp32 rounding order.
+
+The extension is optional: ``available()`` says whether it was built and
+``unavailable_reason()`` why not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .format import CompressedTensor
+
+try:
+    from . import _cpu_gemm  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - exercised only without a build
+    _cpu_gemm = None
+    _REASON = f"zipserv_vllm._cpu_gemm is not built ({exc}); build it with `python setup.py build_ext --inplace`"
+else:
+    _REASON = ""
+
+# Largest number of tokens (rows of x) for which ops.gemm(mode="fast") uses the
+# fused kernel; above it, decode + torch's BF16 GEMM. Measured by
+# benchmarks/bench_cpu_gemm.py (see docs/CPU.md); ZIPSERV_CPU_FUSED_MAX_N overrides.
+FUSED_MAX_N_DEFAULT = 64
+
+_isa_override: str | None = None
+_threads_override: int | None = None
+
+
+def available() -> bool:
+    return _cpu_gemm is not None
+
+
+def unavailable_reason() -> str:
+    return _REASON
+
+
+def _need() -> None:
+    if _cpu_gemm is None:
+        raise ImportError(_REASON)
+
+
+def isas() -> list[str]:
+    """ISAs this CPU can run, best first; always ends with ``"scalar"``."""
+    _need()
+    return list(_cpu_gemm.isas())
+
+
+def set_isa(isa: str | None) -> None:
+    """Force an ISA (``"avx512"``, ``"avx2"``, ``"scalar"``) for later calls; None = best."""
+    if isa is not None:
+        _need()
+        if isa not in _cpu_gemm.isas():
+            raise ValueError(f"isa {isa!r} is not supported on this CPU (supported: {', '.join(_cpu_gemm.isas())})")
+    global _isa_override
+    _isa_override = isa
+
+
+def set_threads(threads: int | None) -> None:
+    """Threads for later calls; None = ``torch.get_num_threads()`` at each call."""
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    global _threads_override
+    _threads_override = None if threads is None else int(threads)
+
+
+def fused_max_n() -> int:
+    """Token count up to which the fused kernel is used (dispatch threshold)."""
+    env = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
+    return int(env) if env else FUSED_MAX_N_DEFAULT
+
+
+def _arrays(ct: CompressedTensor):
+    return (
+        ct.bitmaps.contiguous().numpy().view(np.uint64),
+        ct.base.contiguous().numpy(),
+        ct.offsets.contiguous().numpy(),
+        ct.sm.contiguous().numpy(),
+        ct.fb.contiguous().numpy().view(np.uint16),
+    )
+
+
+def _u16(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def fused_gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
+               sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, bias: torch.Tensor | None = None,
+               *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` from the arrays of a CompressedTensor (all CPU; x, bias bf16)."""
+    _need()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the fused CPU kernel takes bfloat16 activations, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"the fused CPU kernel takes CPU tensors, got x on {x.device}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or bias.shape != (m,):
+            raise ValueError(f"bias must be bfloat16 of shape [{m}], got {bias.dtype} {list(bias.shape)}")
+        bias = bias.contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty((x2.shape[0], m), dtype=torch.bfloat16)
+    _cpu_gemm.gemm(
+        _u16(x2), bitmaps.contiguous().numpy().view(np.uint64), base.contiguous().numpy(),
+        offsets.contiguous().numpy(), sm.contiguous().numpy(), fb.contiguous().numpy().view(np.uint16),
+        int(m), int(k), None if bias is None else _u16(bias), _u16(out),
+        int(threads or _threads_override or torch.get_num_threads()),
+        isa or _isa_override or "auto",
+    )
+    return out.reshape(*lead, m)
+
+
+def fused_linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None, *,
+                 isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """``F.linear(x, decompress_tensor(ct), bias)`` by the fused kernel."""
+    m, k = ct.shape
+    return fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias, isa=isa, threads=threads)
+
+
+def decode(ct: CompressedTensor, *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """Decode ``ct`` with the fused kernel's own tile decoder (tests its bit-exactness)."""
+    _need()
+    m, k = ct.shape
+    out = torch.empty((m, k), dtype=torch.bfloat16)
+    _cpu_gemm.decode(*_arrays(ct), int(m), int(k), _u16(out),
+                     int(threads or _threads_override or torch.get_num_threads()),
+                     isa or _isa_override or "auto")
+    return out
