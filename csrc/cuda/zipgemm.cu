@@ -165,10 +165,9 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
         const int n = col0 + t * 8 + c_frag_n(lane, r);
         if (m < a.M && n < a.N) {
           if (a.split == 1) {
-            const float v = acc[t][r] + (a.bias ? bf16_bits_to_f32(a.bias[m]) : 0.f);
-            a.y[static_cast<int64_t>(n) * a.M + m] = f32_to_bf16_bits(v);
+            a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));
           } else {
-            a.ws[(static_cast<int64_t>(part) * a.N + n) * a.M + m] = acc[t][r];
+            a.ws[ws_index(part, n, m, a.N, a.M)] = acc[t][r];
           }
         }
       }
@@ -180,10 +179,7 @@ __global__ void __launch_bounds__(256) splitk_reduce(const float* ws, const uint
                                                      int64_t mn, int M, int parts) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < mn;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s = 0.f;
-    for (int p = 0; p < parts; ++p) s += ws[p * mn + i];
-    if (bias) s += bf16_bits_to_f32(bias[i % M]);
-    y[i] = f32_to_bf16_bits(s);
+    y[i] = f32_to_bf16_bits(epilogue_sum(ws + i, mn, parts, bias, static_cast<int>(i % M)));
   }
 }
 

@@ -131,6 +131,13 @@ ZS_HD void splitk_range(int kt, int split, int part, int* begin, int* end) {
 }
 
 // ---------------------------------------------------------------- epilogue
+// Output element (n, m) of Y[N, M] (row-major, like F.linear).
+ZS_HD int64_t y_index(int n, int m, int M) { return static_cast<int64_t>(n) * M + m; }
+// Split-K workspace element of part p: ws[p][n][m].
+ZS_HD int64_t ws_index(int part, int n, int m, int N, int M) {
+  return (static_cast<int64_t>(part) * N + n) * M + m;
+}
+
 // fp32 -> bf16 bits, round to nearest even; NaN -> canonical 0x7FC0 (sign kept).
 ZS_HD uint16_t f32_to_bf16_bits(float f) {
   uint32_t u;
@@ -143,6 +150,17 @@ ZS_HD uint16_t f32_to_bf16_bits(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+ZS_HD float bf16_bits_to_f32(uint16_t b);
+
+// Final value of one output element: the parts summed in order, then the bias
+// (the fused kernel with one part and the reduction kernel both use this).
+ZS_HD float epilogue_sum(const float* parts, int64_t stride, int nparts, const uint16_t* bias, int m) {
+  float s = 0.f;
+  for (int p = 0; p < nparts; ++p) s += parts[p * stride];
+  if (bias) s += bf16_bits_to_f32(bias[m]);
+  return s;
+}
+
 ZS_HD float bf16_bits_to_f32(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
 #if defined(__CUDA_ARCH__)

@@ -1,0 +1,360 @@
+// zipserv_vllm._emul: a CPU emulation of the CUDA kernels' data path, built
+// with g++ from the SAME headers the kernels use (decode_lane.h,
+// zipgemm_layout.cuh). No GPU is needed: the tests run every lane of every FT
+// through decode_lane_pair and replay the fused kernel at fragment level.
+//
+// What is shared with the kernels (one definition): the per-lane decode, the
+// per-warp counts and staging ranges (lane_count_share, warp_segment), the FT
+// that feeds each A register (a_frag_ft), the X shared-memory swizzle
+// (x_smem_index), the B and C fragment maps the kernel believes in
+// (b_frag_*, c_frag_*), the split-K partition, and the epilogue.
+// What is independent here: the PTX definition of mma.m16n8k16 (which lane
+// register holds which A/B/C element, section "ptx" below). A kernel-side map
+// that disagrees with the hardware definition therefore fails the tests.
+//
+// `perturb` deliberately breaks one mapping (negative tests):
+//   1 decode with lane ^ 1         2 swap A registers a1 and a2
+//   4 read X without the swizzle   8 fallback index off by one
+//  16 drop the last K tile of every split part
+//  32 swap the C row / column map
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "zipgemm_layout.cuh"
+#include "zipserv/decode_lane.h"
+#include "zipserv/format.h"
+
+namespace py = pybind11;
+using namespace zipserv;
+using namespace zipserv::gemm;
+
+namespace {
+
+template <typename T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+// ------------------------------------------------------------------ ptx
+// PTX ISA, "Matrix fragments for mma.m16n8k16" (bf16): groupID = lane >> 2,
+// threadID_in_group = lane % 4.
+//  A (16x16, row): a_i holds rows groupID + 8 * (i % 2), cols 2 t + e + 8 * (i / 2)
+//  B (16x8, col):  b_i holds rows (k) 2 t + e + 8 i, col groupID
+//  C (16x8, f32):  c_i holds row groupID + 8 * (i / 2), col 2 t + i % 2
+int ptx_a_row(int lane, int i) { return (lane >> 2) + 8 * (i % 2); }
+int ptx_a_col(int lane, int i, int e) { return 2 * (lane % 4) + e + 8 * (i / 2); }
+int ptx_b_k(int lane, int i, int e) { return 2 * (lane % 4) + e + 8 * i; }
+int ptx_b_n(int lane) { return lane >> 2; }
+int ptx_c_row(int lane, int i) { return (lane >> 2) + 8 * (i / 2); }
+int ptx_c_col(int lane, int i) { return 2 * (lane % 4) + i % 2; }
+
+float half_f32(uint32_t packed, int e) { return gemm::bf16_bits_to_f32(static_cast<uint16_t>(packed >> (16 * e))); }
+
+// One warp-wide mma.sync: acc[lane][i] += (A . B) at the hardware positions.
+void mma_emul(float (&acc)[32][4], const uint32_t (&a)[32][4], const uint32_t (&b)[32][2]) {
+  float A[16][16], B[16][8], C[16][8] = {};
+  for (int l = 0; l < 32; ++l) {
+    for (int i = 0; i < 4; ++i)
+      for (int e = 0; e < 2; ++e) A[ptx_a_row(l, i)][ptx_a_col(l, i, e)] = half_f32(a[l][i], e);
+    for (int i = 0; i < 2; ++i)
+      for (int e = 0; e < 2; ++e) B[ptx_b_k(l, i, e)][ptx_b_n(l)] = half_f32(b[l][i], e);
+  }
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      float s = 0.f;
+      for (int k = 0; k < 16; ++k) s += A[m][k] * B[k][n];
+      C[m][n] = s;
+    }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) acc[l][i] += C[ptx_c_row(l, i)][ptx_c_col(l, i)];
+}
+
+// ------------------------------------------------------------------ input
+struct Compressed {
+  const uint64_t* bitmaps;
+  const uint8_t* base;
+  const int64_t* offsets;
+  const uint8_t* sm;
+  int64_t sm_len;
+  const uint16_t* fb;
+  int64_t fb_len;
+  int M, K, Mt, Kt;
+};
+
+Compressed view(const Arr<uint64_t>& bitmaps, const Arr<uint8_t>& base, const Arr<int64_t>& offsets,
+                const Arr<uint8_t>& sm, const Arr<uint16_t>& fb, int M, int K) {
+  Compressed c{bitmaps.data(), base.data(), offsets.data(), sm.data(), static_cast<int64_t>(sm.size()),
+               fb.data(), static_cast<int64_t>(fb.size()), M, K, (M + kTile - 1) / kTile, (K + kTile - 1) / kTile};
+  if (bitmaps.size() != static_cast<py::ssize_t>(c.Mt) * c.Kt * kPlanes * kFragsPerTile ||
+      base.size() != static_cast<py::ssize_t>(c.Mt) * c.Kt || offsets.size() != static_cast<py::ssize_t>(c.Mt) * c.Kt * 2)
+    throw std::invalid_argument("array sizes do not fit an " + std::to_string(M) + " x " + std::to_string(K) + " matrix");
+  return c;
+}
+
+// Copies [begin, begin + n) of a stream; reading outside it is a kernel bug
+// (the kernels must never over-read a stream), so it throws.
+template <typename T>
+void copy_checked(T* dst, const T* src, int64_t len, int64_t begin, int64_t n, const char* what) {
+  if (begin < 0 || begin + n > len)
+    throw std::out_of_range(std::string("emulated cp.async reads ") + what + " [" + std::to_string(begin) + ", " +
+                            std::to_string(begin + n) + ") outside the stream of " + std::to_string(len));
+  std::memcpy(dst, src + begin, static_cast<size_t>(n) * sizeof(T));
+}
+
+// Per-warp staging exactly as the kernels do it: counts from the lanes'
+// shares, chunk copies of warp_segment's ranges into staging that holds
+// garbage elsewhere (a decode that depended on uncopied bytes would fail).
+struct WarpStage {
+  WarpSegment seg;
+  std::vector<uint8_t> sm;
+  std::vector<uint16_t> fb;
+};
+
+void stage_warp(WarpStage& st, const Compressed& c, int64_t g, int warp, std::mt19937& rng) {
+  const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
+  int hb = 0, hc = 0;
+  for (int lane = 0; lane < 32; ++lane) {  // __reduce_add_sync over the lanes' shares
+    const int pc_lo = popc64(indicator(bmp[lane], bmp[64 + lane], bmp[128 + lane]));
+    const int pc_hi = popc64(indicator(bmp[lane + 32], bmp[64 + lane + 32], bmp[128 + lane + 32]));
+    int before, inside;
+    lane_count_share(warp, lane, pc_lo, pc_hi, &before, &inside);
+    hb += before;
+    hc += inside;
+  }
+  st.seg = warp_segment(c.offsets[2 * g], c.offsets[2 * g + 1], warp, hb, hc);
+  st.sm.resize(kSmStageBytes);
+  st.fb.resize(kFbStageElems);
+  for (auto& v : st.sm) v = static_cast<uint8_t>(rng());
+  for (auto& v : st.fb) v = static_cast<uint16_t>(rng());
+  if (st.seg.sm_chunks * kChunk > kSmStageBytes - kSmSlack || st.seg.fb_chunks * 8 > kFbStageElems - kFbSlack)
+    throw std::logic_error("warp_segment exceeds the staging size");
+  if (st.seg.sm_begin % kChunk || st.seg.fb_begin % 8) throw std::logic_error("unaligned cp.async source");
+  copy_checked(st.sm.data(), c.sm, c.sm_len, st.seg.sm_begin, int64_t{st.seg.sm_chunks} * kChunk, "sm");
+  copy_checked(st.fb.data(), c.fb, c.fb_len, st.seg.fb_begin, int64_t{st.seg.fb_chunks} * 8, "fb");
+}
+
+// ------------------------------------------------------------------ API
+uint32_t lane_decode_one(uint64_t p0, uint64_t p1, uint64_t p2, int base_exp, const Arr<uint8_t>& sm,
+                         const Arr<uint16_t>& fb, int h_before, int f_before, int lane) {
+  if (lane < 0 || lane > 31) throw std::invalid_argument("lane must be 0..31, got " + std::to_string(lane));
+  return decode_lane_pair(p0, p1, p2, base_exp, sm.data(), fb.data(), h_before, f_before, lane);
+}
+
+// Every lane of every FT of every tile through decode_lane_pair, each tile's
+// whole segments staged (with slack) at offset 0: rebuilds W [M, K].
+py::array_t<uint16_t> lane_decode_matrix(const Arr<uint64_t>& bitmaps, const Arr<uint8_t>& base,
+                                         const Arr<int64_t>& offsets, const Arr<uint8_t>& sm,
+                                         const Arr<uint16_t>& fb, int M, int K, int perturb) {
+  const Compressed c = view(bitmaps, base, offsets, sm, fb, M, K);
+  py::array_t<uint16_t> out({M, K});
+  uint16_t* o = out.mutable_data();
+  std::mt19937 rng(1234);
+  std::vector<uint8_t> ssm(kTileElems + kSmSlack);
+  std::vector<uint16_t> sfb(kTileElems + kFbSlack);
+  for (int64_t g = 0; g < int64_t{c.Mt} * c.Kt; ++g) {
+    const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
+    int h = 0;
+    for (int f = 0; f < kFragsPerTile; ++f) h += popc64(indicator(bmp[f], bmp[64 + f], bmp[128 + f]));
+    for (auto& v : ssm) v = static_cast<uint8_t>(rng());
+    for (auto& v : sfb) v = static_cast<uint16_t>(rng());
+    copy_checked(ssm.data(), c.sm, c.sm_len, c.offsets[2 * g], h, "sm");
+    copy_checked(sfb.data(), c.fb, c.fb_len, c.offsets[2 * g + 1], kTileElems - h, "fb");
+    const int tm = static_cast<int>(g / c.Kt), tk = static_cast<int>(g % c.Kt);
+    int hrun = 0;
+    for (int f = 0; f < kFragsPerTile; ++f) {
+      const uint64_t p0 = bmp[f], p1 = bmp[64 + f], p2 = bmp[128 + f];
+      for (int lane = 0; lane < 32; ++lane) {
+        const int dl = (perturb & 1) ? lane ^ 1 : lane;
+        const uint32_t v = decode_lane_pair(p0, p1, p2, c.base[g], ssm.data(), sfb.data(), hrun,
+                                            f * kFragElems - hrun + ((perturb & 8) ? 1 : 0), dl);
+        const int row = tm * kTile + frag_row0(f) + lane / 4, col = tk * kTile + frag_col0(f) + 2 * (lane % 4);
+        for (int e = 0; e < 2; ++e)
+          if (row < M && col + e < K) o[int64_t{row} * K + col + e] = static_cast<uint16_t>(v >> (16 * e));
+      }
+      hrun += popc64(indicator(p0, p1, p2));
+    }
+  }
+  return out;
+}
+
+// Replay of decompress_kernel (csrc/cuda/decompress.cu).
+py::array_t<uint16_t> emulate_decompress(const Arr<uint64_t>& bitmaps, const Arr<uint8_t>& base,
+                                         const Arr<int64_t>& offsets, const Arr<uint8_t>& sm,
+                                         const Arr<uint16_t>& fb, int M, int K) {
+  const Compressed c = view(bitmaps, base, offsets, sm, fb, M, K);
+  py::array_t<uint16_t> out({M, K});
+  uint16_t* o = out.mutable_data();
+  std::memset(o, 0xFF, sizeof(uint16_t) * size_t(M) * K);
+  std::mt19937 rng(99);
+  WarpStage st;
+  for (int64_t g = 0; g < int64_t{c.Mt} * c.Kt; ++g) {
+    const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
+    const int tm = static_cast<int>(g / c.Kt), tk = static_cast<int>(g % c.Kt);
+    for (int warp = 0; warp < kWarps; ++warp) {
+      stage_warp(st, c, g, warp, rng);
+      int hrun = 0;
+      for (int i = 0; i < kFtPerMed; ++i) {
+        const int f = warp * kFtPerMed + i;
+        const uint64_t p0 = bmp[f], p1 = bmp[64 + f], p2 = bmp[128 + f];
+        for (int lane = 0; lane < 32; ++lane) {
+          const uint32_t v = decode_lane_pair(p0, p1, p2, c.base[g], st.sm.data(), st.fb.data(),
+                                              st.seg.sm_local + hrun, st.seg.fb_local + i * kFragElems - hrun, lane);
+          const int row = tm * kTile + frag_row0(f) + lane / 4, col = tk * kTile + frag_col0(f) + 2 * (lane % 4);
+          for (int e = 0; e < 2; ++e)
+            if (row < M && col + e < K) o[int64_t{row} * K + col + e] = static_cast<uint16_t>(v >> (16 * e));
+        }
+        hrun += popc64(indicator(p0, p1, p2));
+      }
+    }
+  }
+  return out;
+}
+
+// Replay of fused_kernel<NT8> + splitk_reduce (csrc/cuda/zipgemm.cu).
+// Returns (y bf16 bits [N, M], y fp32 before rounding [N, M]).
+py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, const Arr<uint8_t>& base,
+                          const Arr<int64_t>& offsets, const Arr<uint8_t>& sm, const Arr<uint16_t>& fb,
+                          py::object bias_obj, int M, int K, int tile_n, int split, int perturb) {
+  const Compressed c = view(bitmaps, base, offsets, sm, fb, M, K);
+  if (x.ndim() != 2 || x.shape(1) != K) throw std::invalid_argument("x must be [N, K]");
+  const int N = static_cast<int>(x.shape(0));
+  if (tile_n != 8 && tile_n != 16 && tile_n != 32 && tile_n != 64 && tile_n != 128)
+    throw std::invalid_argument("tile_n must be 8, 16, 32, 64 or 128, got " + std::to_string(tile_n));
+  if (split < 1) throw std::invalid_argument("split must be >= 1");
+  const int nt8 = tile_n / 8;
+  const int parts = splitk_parts(c.Kt, split);  // what the host passes as a.split
+  Arr<uint16_t> bias_arr;
+  const uint16_t* bias = nullptr;
+  if (!bias_obj.is_none()) {
+    bias_arr = bias_obj.cast<Arr<uint16_t>>();
+    if (bias_arr.size() != M) throw std::invalid_argument("bias must have M elements");
+    bias = bias_arr.data();
+  }
+  const uint16_t* X = x.data();
+  std::vector<float> ws(static_cast<size_t>(parts) * N * M, std::nanf(""));
+  py::array_t<uint16_t> y({N, M});
+  py::array_t<float> yf({N, M});
+  std::mt19937 rng(7);
+  std::vector<uint16_t> sx(static_cast<size_t>(tile_n) * kTile);
+  std::vector<WarpStage> st(kWarps);
+  std::vector<float> acc(static_cast<size_t>(kWarps) * nt8 * 32 * 4);
+
+  for (int bx = 0; bx * tile_n < N; ++bx)
+    for (int tm = 0; tm < c.Mt; ++tm)
+      for (int part = 0; part < parts; ++part) {
+        const int col0 = bx * tile_n, ncols = N - col0;
+        int kb, ke;
+        splitk_range(c.Kt, parts, part, &kb, &ke);
+        if (perturb & 16) ke -= 1;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int kt = kb; kt < ke; ++kt) {
+          const int64_t g = int64_t{tm} * c.Kt + kt;
+          const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
+          // issue_x: rows >= N and columns >= K zero-filled, swizzled store.
+          for (int r = 0; r < tile_n; ++r)
+            for (int k = 0; k < kTile; ++k) {
+              const int n = col0 + r, kk = kt * kTile + k;
+              sx[x_smem_index(r, k)] = (n < N && kk < K) ? X[int64_t{n} * K + kk] : uint16_t{0};
+            }
+          for (int warp = 0; warp < kWarps; ++warp) stage_warp(st[warp], c, g, warp, rng);
+          for (int warp = 0; warp < kWarps; ++warp) {
+            const WarpSegment& seg = st[warp].seg;
+            int hrun = 0;
+            for (int kg = 0; kg < 4; ++kg) {
+              uint32_t af[32][4];
+              for (int j = 0; j < 4; ++j) {
+                const int jj = (perturb & 2) ? (j == 1 ? 2 : j == 2 ? 1 : j) : j;
+                const int f = a_frag_ft(warp, kg, jj);
+                const uint64_t p0 = bmp[f], p1 = bmp[64 + f], p2 = bmp[128 + f];
+                // hrun runs over the FTs in kernel order (kg, j); with the a1/a2
+                // swap the FT's own running count is rebuilt so only the register
+                // assignment is wrong.
+                int hr = 0;
+                for (int ff = warp * kFtPerMed; ff < f; ++ff)
+                  hr += popc64(indicator(bmp[ff], bmp[64 + ff], bmp[128 + ff]));
+                if (!(perturb & 2) && hr != hrun) throw std::logic_error("running count disagrees");
+                const int fpos = (f - warp * kFtPerMed) * kFragElems;
+                for (int lane = 0; lane < 32; ++lane) {
+                  const int dl = (perturb & 1) ? lane ^ 1 : lane;
+                  af[lane][j] = decode_lane_pair(p0, p1, p2, c.base[g], st[warp].sm.data(), st[warp].fb.data(),
+                                                 seg.sm_local + hr, seg.fb_local + fpos - hr + ((perturb & 8) ? 1 : 0),
+                                                 dl);
+                }
+                if (!(perturb & 2)) hrun += popc64(indicator(p0, p1, p2));
+              }
+              for (int t = 0; t < nt8; ++t) {
+                if (!(t * 8 < ncols)) continue;
+                uint32_t bf[32][2];
+                for (int lane = 0; lane < 32; ++lane) {
+                  const int n = t * 8 + b_frag_n(lane);
+                  const int k = kg * 16 + b_frag_k(lane, 0, 0);
+                  for (int r = 0; r < 2; ++r) {
+                    const int idx = (perturb & 4) ? n * kTile + k + 8 * r : x_smem_index(n, k + 8 * r);
+                    bf[lane][r] = sx[idx] | (uint32_t{sx[idx + 1]} << 16);  // one 32-bit LDS
+                  }
+                }
+                float (&a4)[32][4] = *reinterpret_cast<float(*)[32][4]>(&acc[((size_t)warp * nt8 + t) * 128]);
+                mma_emul(a4, af, bf);
+              }
+            }
+          }
+        }
+        // Epilogue.
+        for (int warp = 0; warp < kWarps; ++warp)
+          for (int t = 0; t < nt8; ++t)
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 4; ++r) {
+                int mi = c_frag_m(lane, r), ni = c_frag_n(lane, r);
+                if (perturb & 32) std::swap(mi, ni);
+                const int m = tm * kTile + warp * kMedRows + mi;
+                const int n = col0 + t * 8 + ni;
+                const float v = acc[(((size_t)warp * nt8 + t) * 32 + lane) * 4 + r];
+                if (m < M && n < N) {
+                  if (parts == 1) {
+                    const float s = epilogue_sum(&v, 0, 1, bias, m);
+                    y.mutable_data()[y_index(n, m, M)] = f32_to_bf16_bits(s);
+                    yf.mutable_data()[y_index(n, m, M)] = s;
+                  } else {
+                    ws[ws_index(part, n, m, N, M)] = v;
+                  }
+                }
+              }
+      }
+  if (parts > 1) {  // splitk_reduce
+    const int64_t mn = int64_t{M} * N;
+    for (int64_t i = 0; i < mn; ++i) {
+      const float s = epilogue_sum(ws.data() + i, mn, parts, bias, static_cast<int>(i % M));
+      y.mutable_data()[i] = f32_to_bf16_bits(s);
+      yf.mutable_data()[i] = s;
+    }
+  }
+  return py::make_tuple(y, yf);
+}
+
+uint16_t f32_to_bf16(float f) { return f32_to_bf16_bits(f); }
+
+}  // namespace
+
+PYBIND11_MODULE(_emul, m) {
+  m.doc() = "CPU emulation of the zipserv CUDA kernels (host build of decode_lane.h / zipgemm_layout.cuh)";
+  m.def("lane_decode_one", &lane_decode_one, "decode_lane_pair for one lane (host build)");
+  m.def("lane_decode_matrix", &lane_decode_matrix, py::arg("bitmaps"), py::arg("base"), py::arg("offsets"),
+        py::arg("sm"), py::arg("fb"), py::arg("M"), py::arg("K"), py::arg("perturb") = 0,
+        "Every lane of every FT of every tile through decode_lane_pair -> W [M, K] (uint16 bits)");
+  m.def("emulate_decompress", &emulate_decompress, "Replay of the decompress kernel -> W [M, K]");
+  m.def("emulate_zipgemm", &emulate_zipgemm, py::arg("x"), py::arg("bitmaps"), py::arg("base"), py::arg("offsets"),
+        py::arg("sm"), py::arg("fb"), py::arg("bias"), py::arg("M"), py::arg("K"), py::arg("tile_n"),
+        py::arg("split"), py::arg("perturb") = 0,
+        "Fragment-level replay of the fused kernel (+ split-K reduction) -> (y bf16 bits, y fp32)");
+  m.def("splitk_parts", [](int kt, int split) { return splitk_parts(kt, split); });
+  m.def("fused_smem_bytes", [](int tile_n) { return fused_smem_bytes(tile_n); });
+  m.def("f32_to_bf16", &f32_to_bf16, "The kernels' fp32 -> bf16 rounding (RNE)");
+  m.attr("PERTURBATIONS") = py::dict(py::arg("lane") = 1, py::arg("a_regs") = 2, py::arg("x_swizzle") = 4,
+                                     py::arg("fb_offset") = 8, py::arg("splitk_range") = 16, py::arg("c_map") = 32);
+}

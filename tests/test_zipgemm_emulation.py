@@ -1,0 +1,134 @@
+"""Fragment-level CPU replay of the fused ZipGEMM kernel vs a reference GEMM.
+
+``zipserv_vllm._emul.emulate_zipgemm`` runs the kernel's data path with the
+kernel's own index math (csrc/cuda/zipgemm_layout.cuh + decode_lane.h): the
+per-warp staging, the lane decode into A registers, the swizzled X tile and
+B fragment loads, an mma.m16n8k16 defined independently from the PTX ISA
+fragment tables, the split-K partition and reduction, and the epilogue
+(bias, bf16 rounding, masking of rows >= M and columns >= N). Results are
+compared with float64 X . W^T of the reference-decoded weight.
+
+The tolerance is 1e-5 of sum_k |x||w| per output, far below what a single
+wrong weight element contributes, and each deliberate perturbation of a
+mapping (lane, A registers, swizzle, fallback offset, split-K range, C map)
+must break it. Budget: ~10 s on 2 cores.
+"""
+
+import numpy as np
+import pytest
+
+from zipserv_vllm import dispatch
+from zipserv_vllm.format import reference
+
+_emul = pytest.importorskip("zipserv_vllm._emul", reason="zipserv_vllm._emul not built (pip install -e .)")
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # RNE, finite inputs
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _weight(rng, m, k):
+    w = rng.standard_normal((m, k)) * 0.02
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 50))] = 0.0  # zeros (fallback)
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 200))] *= 300.0  # outliers (fallback)
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 500))] = 1e-39  # subnormals (fallback)
+    return _bf16_bits(w)
+
+
+_CACHE = {}
+
+
+def _case(m, k, n, seed=0):
+    key = (m, k, n, seed)
+    if key not in _CACHE:
+        rng = np.random.default_rng([m, k, n, seed])
+        w = _weight(rng, m, k)
+        e = reference.encode(w)
+        x = _bf16_bits(rng.standard_normal((n, k)))
+        bias = _bf16_bits(rng.standard_normal(m) * 0.1)
+        _CACHE[key] = (e, _f32(reference.decode(e)), x, bias)
+    return _CACHE[key]
+
+
+def _run(e, x, bias, tile_n, split, perturb=0):
+    return _emul.emulate_zipgemm(x, e.bitmaps, e.base, e.offsets, e.sm, e.fb, bias, e.m, e.k, tile_n, split, perturb)
+
+
+def _errors(e, wf, x, bias, yf):
+    xf = _f32(x).astype(np.float64)
+    ref = xf @ wf.astype(np.float64).T
+    scale = np.abs(xf) @ np.abs(wf.astype(np.float64)).T
+    if bias is not None:
+        ref = ref + _f32(bias)
+        scale = scale + np.abs(_f32(bias))
+    return np.abs(yf - ref) - (1e-5 * scale + 1e-30), ref
+
+
+def _assert_close(e, wf, x, bias, y, yf):
+    excess, ref = _errors(e, wf, x, bias, yf)
+    assert excess.max() <= 0, f"fp32 result off by {excess.max():.3g} beyond tolerance"
+    # epilogue: the bf16 output is the kernels' RNE rounding of the fp32 result
+    np.testing.assert_array_equal(y, np.vectorize(_emul.f32_to_bf16, otypes=[np.uint16])(yf))
+    # and the bf16 output within bf16 rounding (half an ulp, <= 2^-8 relative) of the reference
+    assert (np.abs(_f32(y) - ref) <= 2.0**-8 * np.abs(ref) + 1e-5 * np.abs(ref).max() + 1e-30).all()
+
+
+SHAPES = [(64, 64), (100, 130), (192, 320), (257, 96), (65, 577)]
+NS = [1, 2, 3, 8, 9, 16, 17, 33, 64, 129]
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+@pytest.mark.parametrize("n", NS)
+def test_dispatched_config_matches_reference(m, k, n):
+    e, wf, x, bias = _case(m, k, n)
+    tn = dispatch.tile_n_for(n)
+    for split, b in ((1, None), (3, bias)):
+        y, yf = _run(e, x, b, tn, split)
+        _assert_close(e, wf, x, b, y, yf)
+
+
+@pytest.mark.parametrize("tile_n", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("split", [1, 2, 4, 7, 100])
+def test_every_instance_and_split(tile_n, split):
+    """Every kernel instance, splits that divide Kt, do not, and exceed it."""
+    e, wf, x, bias = _case(130, 452, 21)  # Kt = 8, N ragged for every tile_n
+    y, yf = _run(e, x, bias, tile_n, split)
+    _assert_close(e, wf, x, bias, y, yf)
+
+
+def test_splitk_partition_covers_k_once():
+    for kt in range(1, 70):
+        for split in range(1, 20):
+            parts = _emul.splitk_parts(kt, split)
+            assert parts == dispatch.splitk_parts(kt, split) and 1 <= parts <= min(kt, split)
+            per = -(-kt // split)
+            ranges = [(p * per, min(kt, p * per + per)) for p in range(parts)]
+            assert all(b > a for a, b in ranges) and ranges[-1][1] == kt
+
+
+def test_k_tail_padding_is_zeroed():
+    """K = 65: one real column in the last tile; padding weights must contribute nothing."""
+    e, wf, x, bias = _case(64, 65, 5)
+    y, yf = _run(e, x, None, 8, 1)
+    _assert_close(e, wf, x, None, y, yf)
+
+
+PERTURBATIONS = ["lane", "a_regs", "x_swizzle", "fb_offset", "splitk_range", "c_map"]
+
+
+@pytest.mark.parametrize("flag", PERTURBATIONS)
+def test_wrong_mapping_fails(flag):
+    """Each deliberately wrong layout / offset must break the comparison."""
+    e, wf, x, bias = _case(192, 320, 17)
+    split = 2 if flag == "splitk_range" else 1
+    y, yf = _run(e, x, bias, 32, split)
+    _assert_close(e, wf, x, bias, y, yf)  # unperturbed passes
+    y, yf = _run(e, x, bias, 32, split, _emul.PERTURBATIONS[flag])
+    excess, _ = _errors(e, wf, x, bias, yf)
+    assert excess.max() > 0, f"perturbation {flag} went unnoticed"
