@@ -221,7 +221,8 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
             "format_version": spec.VERSION,
             "mode": mode,
             "compressed_modules": modules,
-            "producer": f"zipserv-vllm {__version__}",
+            # vLLM reads quantization_config["producer"]["name"]: it must be a dict.
+            "producer": {"name": "zipserv-vllm", "version": __version__},
         }
         _write_config(tmp, config)
         copied, skipped = copy_side_files(src_path, tmp, exclude=set(ck.shards))
