@@ -230,23 +230,23 @@ class Checkpoint:
             return CompressedTensor.from_arrays(self._arrays(sf, e.prefix), e.name)
 
     def iter_entries(self) -> Iterator[tuple[Entry, torch.Tensor | CompressedTensor]]:
-        """(entry, tensor or CompressedTensor) in file order, one at a time, each shard opened once.
+        """(entry, tensor or CompressedTensor) in file order, one at a time.
 
         The caller should drop each value before asking for the next, so that
         at most one tensor is alive.
         """
-        by_shard: dict[str, list[Entry]] = {}
-        for e in self.entries:
-            by_shard.setdefault(e.shard, []).append(e)
         for shard in self.shards:
-            with _open_shard(self.path / shard) as sf:
-                for e in by_shard.get(shard, []):
+            for e in self.shard_entries(shard):
+                # A shard is re-opened for every tensor: safetensors maps the whole file, and
+                # pages touched through one long-lived mapping would stay resident (RSS grows to
+                # the shard size). The header parse this costs is negligible.
+                with _open_shard(self.path / shard) as sf:
                     if e.compressed:
                         value = CompressedTensor.from_arrays(self._arrays(sf, e.prefix), e.name)
                     else:
                         value = sf.get_tensor(e.name)
-                    yield e, value
-                    del value
+                yield e, value
+                del value
 
     def shard_entries(self, shard: str) -> list[Entry]:
         return [e for e in self.entries if e.shard == shard]
