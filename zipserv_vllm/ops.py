@@ -61,3 +61,6 @@ def linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = No
     if x.shape[-1] != ct.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {ct.shape[1]}")
     return gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1], bias, mode)
+
+
+from . import cuda_ops as _cuda_ops  # noqa: E402,F401  CUDA impls (csrc/cuda/); guarded inside: no-op without _cuda

@@ -1,0 +1,79 @@
+"""nvcc compiles every CUDA kernel for every listed architecture with warnings as errors.
+
+Each csrc/cuda/*.cu is compiled once, with all ``-gencode`` flags
+(``csrc/cuda/nvcc_build.py``, the same flags setup.py uses, plus
+``-Werror all-warnings -Xcompiler -Werror``), into a temp dir; the sources
+compile in parallel. Skipped where nvcc is absent. Nothing runs: this machine
+has no GPU. Budget: ~30-60 s of nvcc on 2 cores (the time is printed).
+"""
+
+import importlib.util
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("zipserv_nvcc_build", ROOT / "csrc" / "cuda" / "nvcc_build.py")
+nvb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nvb)
+
+NVCC = nvb.find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME): CUDA kernels not compiled")
+
+
+def test_every_kernel_compiles_for_every_arch_with_werror(tmp_path, monkeypatch, record_property):
+    monkeypatch.delenv("ZIPSERV_CUDA_ARCHS", raising=False)
+    archs = nvb.cuda_archs(NVCC)
+    missing = [a for a in nvb.DEFAULT_ARCHS if a not in archs]
+    assert not missing, f"this nvcc cannot target {missing}"
+    srcs = nvb.cu_sources()
+    assert {s.name for s in srcs} >= {"zipgemm.cu", "decompress.cu", "encode.cu"}
+    t0 = time.perf_counter()
+    objs = nvb.compile_all(NVCC, srcs, tmp_path, archs, werror=True)
+    dt = time.perf_counter() - t0
+    record_property("nvcc_seconds", round(dt, 1))
+    print(f"\nnvcc: {len(srcs)} sources x {len(archs)} archs (sm_{', sm_'.join(archs)}) in {dt:.1f} s")
+    for o in objs:
+        assert o.stat().st_size > 0
+        # SASS for every arch is embedded (the fatbin names each target)
+        data = o.read_bytes()
+        for a in archs:
+            assert f"sm_{a}".encode() in data, f"{o.name} has no sm_{a} code"
+
+
+def test_werror_is_effective(tmp_path):
+    """The flags really turn a warning into an error (so the test above can fail)."""
+    src = tmp_path / "warn.cu"
+    src.write_text("__global__ void k(int* p) { int unused; p[0] = 1; }\n")
+    cmd = nvb.nvcc_command(NVCC, src, tmp_path / "warn.o", ["80"], werror=True, threads=1)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode != 0, "an unused variable compiled under -Werror"
+
+
+def test_arch_override(monkeypatch):
+    monkeypatch.setenv("ZIPSERV_CUDA_ARCHS", "90")
+    assert nvb.cuda_archs(NVCC) == ["90"]
+    flags = nvb.gencode_flags(["90"])
+    assert flags == ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+    monkeypatch.setenv("ZIPSERV_CUDA_ARCHS", "75")
+    with pytest.raises(ValueError, match="8.0"):
+        nvb.cuda_archs(NVCC)
+
+
+def test_extension_links_cudart_only():
+    cu = pytest.importorskip("zipserv_vllm._cuda", reason="zipserv_vllm._cuda not built (pip install -e . with nvcc)")
+    emul = pytest.importorskip("zipserv_vllm._emul", reason="zipserv_vllm._emul not built")
+    assert tuple(cu.tile_ns()) == (8, 16, 32, 64, 128)
+    for t in cu.tile_ns():  # the kernels' and the emulation's shared-memory map agree
+        assert cu.fused_smem_bytes(t) == emul.fused_smem_bytes(t)
+    r = subprocess.run(["ldd", cu.__file__], capture_output=True, text=True)
+    if r.returncode == 0:
+        libs = r.stdout
+        assert "libtorch" not in libs and "libc10" not in libs, "the CUDA extension must not link the torch C++ ABI"
+        assert "libcudart.so" not in libs, "cudart is linked statically"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" and not Path("/dev/nvidia0").exists():
+        with pytest.raises(RuntimeError, match="zipserv CUDA prepare"):
+            cu.prepare()  # no GPU here: a clear error, not a crash
