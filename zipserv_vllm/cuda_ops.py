@@ -115,19 +115,21 @@ def _workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) 
     return buf
 
 
-def reserve_workspaces(device, max_m: int, max_k: int, max_n: int) -> None:
+def reserve_workspaces(device, max_m: int, max_k: int, max_n: int, max_weight_elems: int | None = None) -> None:
     """Preallocate, for the largest layer (max_m x max_k) and token count max_n,
     the split-K workspace (fp32 partials) and the decoupled path's weight
     workspace (bf16 max_m x max_k), and set the kernel attributes. Call before
-    CUDA-graph capture."""
+    CUDA-graph capture. ``max_weight_elems`` (default max_m * max_k) is the
+    largest M * K of any layer, when that is less than the product of maxima."""
     device = torch.device(device)
     prepare(device)
     table = dispatch.load_table(*device_info(device)[:2])
     fused_n = min(max_n, dispatch.max_fused_n(table))
     if fused_n > 0:
         _workspace(device, "splitk", int(table.get("max_split", 16)) * fused_n * max_m, torch.float32)
-    if max_n > 0:
-        _workspace(device, "weight", max_m * max_k, torch.bfloat16)
+    decoupled_rules = any(r["path"] == "decoupled" for sh in table.get("shapes", ()) for r in sh["rules"])
+    if max_n > int(table.get("fused_max_n", 128)) or decoupled_rules:
+        _workspace(device, "weight", max_weight_elems or max_m * max_k, torch.bfloat16)
 
 
 def release_workspaces() -> None:

@@ -1,0 +1,185 @@
+"""ZipGEMM vs decoupled (decompress + cuBLAS) vs cuBLAS BF16, side by side, on one GPU.
+
+For every layer shape (Llama-3-8B/70B, Qwen2.5; tests/gpu/shapes.py) and N it
+times, in the same run and process:
+
+* ``fused``     : the fused ZipGEMM kernel with the dispatcher's config
+                  (tile_n from N, split-K heuristic of the GPU's table);
+* ``decoupled`` : decompress kernel into a workspace + F.linear (cuBLAS);
+* ``cublas``    : F.linear on the BF16 weight;
+* ``dispatch``  : zipserv_vllm.linear(mode="fast"), i.e. what serving gets.
+
+Several copies of every weight are rotated (enough to exceed 4x the L2 cache,
+at most --max-copies) so no method is flattered by a warm L2. Each number is
+the median of --reps CUDA-event timings of --iters calls. Reports time,
+effective weight bandwidth (bytes of the weight as stored / time) and speedups
+over cuBLAS; writes JSON (benchmarks/results/bench_zipgemm.json) and prints a
+table. Without a CUDA device it exits with status 2 and a message: there are no
+CPU numbers to fake.
+
+    python benchmarks/bench_zipgemm.py [--models llama3-8b,qwen2.5-7b] [--ns 1,8,32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_shapes():
+    spec = importlib.util.spec_from_file_location("zipserv_gpu_shapes", ROOT / "tests" / "gpu" / "shapes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def need_cuda(tool: str):
+    try:
+        import torch
+    except ImportError:
+        sys.exit(f"{tool}: PyTorch is not installed")
+    if not torch.cuda.is_available():
+        print(f"{tool}: no CUDA device (torch.cuda.is_available() is False); this benchmark only runs on a GPU "
+              "and reports nothing otherwise", file=sys.stderr)
+        sys.exit(2)
+    from zipserv_vllm import cuda_ops
+
+    if not cuda_ops.available():
+        print(f"{tool}: {cuda_ops.unavailable_reason()}", file=sys.stderr)
+        sys.exit(2)
+    return torch, cuda_ops
+
+
+def time_calls(torch, fns, iters: int, reps: int, warmup: int = 3) -> float:
+    """Median over reps of the mean seconds per call, rotating through fns."""
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for i in range(iters):
+            fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(samples)
+
+
+def clone_ct(ct):
+    from zipserv_vllm.format import CompressedTensor
+
+    return CompressedTensor(ct.shape, ct.bitmaps.clone(), ct.base.clone(), ct.offsets.clone(), ct.sm.clone(),
+                            ct.fb.clone())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama3-8b,llama3-70b,qwen2.5-7b")
+    ap.add_argument("--ns", default=None, help="comma-separated N (default: tests/gpu/shapes.NS)")
+    ap.add_argument("--fused-max-n", type=int, default=1024, help="skip the fused kernel above this N (slow by design)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--max-copies", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="Llama-3-8B only, N in 1,8,32,128,1024, fewer iterations")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_zipgemm.json"))
+    args = ap.parse_args(argv)
+    torch, cuda_ops = need_cuda("bench_zipgemm")
+    import torch.nn.functional as F
+
+    import zipserv_vllm
+    from zipserv_vllm import dispatch
+
+    shapes_mod = load_shapes()
+    models = ["llama3-8b"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in shapes_mod.MODELS]
+    if unknown:
+        print(f"bench_zipgemm: unknown model(s) {unknown}; known: {sorted(shapes_mod.MODELS)}", file=sys.stderr)
+        return 1
+    ns = [1, 8, 32, 128, 1024] if args.quick else (
+        [int(v) for v in args.ns.split(",")] if args.ns else list(shapes_mod.NS))
+    iters, reps = (10, 3) if args.quick else (args.iters, args.reps)
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    name, cc, sms = cuda_ops.device_info(dev)
+    table = dispatch.load_table(name, cc)
+    rows = []
+    t_start = time.time()
+    for model in models:
+        layers = shapes_mod.MODELS[model]
+        max_m = max(m for m, _ in layers.values())
+        max_k = max(k for _, k in layers.values())
+        cuda_ops.reserve_workspaces(dev, max_m, max_k, max(ns))
+        for layer, (m, k) in layers.items():
+            w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
+            ct = cuda_ops.compress_tensor_cuda(w)
+            copies = max(1, min(args.max_copies, math.ceil(4 * l2 / (m * k * 2))))
+            ws = [w] + [w.clone() for _ in range(copies - 1)]
+            cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
+            for n in ns:
+                x = torch.randn(n, k, device=dev).to(torch.bfloat16)
+                plan = dispatch.choose(n, m, k, sms, table)
+                tn = dispatch.tile_n_for(n)
+                fused_split = dispatch.heuristic_split(m, k, n, tn, sms, table)
+                methods = {
+                    "cublas": [lambda w=w_: F.linear(x, w) for w_ in ws],
+                    "decoupled": [lambda c=c_: cuda_ops.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)
+                                  for c_ in cts],
+                    "dispatch": [lambda c=c_: zipserv_vllm.linear(x, c) for c_ in cts],
+                }
+                if n <= args.fused_max_n:
+                    methods["fused"] = [lambda c=c_: cuda_ops.fused_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k,
+                                                                          None, tn, fused_split) for c_ in cts]
+                t = {key: time_calls(torch, fns, iters, reps) for key, fns in methods.items()}
+                row = {
+                    "model": model, "layer": layer, "M": m, "K": k, "N": n, "copies": copies,
+                    "bf16_weight_bytes": m * k * 2, "compressed_weight_bytes": ct.nbytes,
+                    "bits_per_weight": round(ct.bits_per_weight, 3),
+                    "plan": {"path": plan.path, "tile_n": plan.tile_n, "split": plan.split},
+                    "fused_config": {"tile_n": tn, "split": fused_split},
+                    "seconds": t,
+                    "weight_GBps": {"cublas": m * k * 2 / t["cublas"] / 1e9,
+                                    **{key: ct.nbytes / t[key] / 1e9 for key in t if key != "cublas"}},
+                    "speedup_vs_cublas": {key: t["cublas"] / t[key] for key in t if key != "cublas"},
+                }
+                rows.append(row)
+                sp = row["speedup_vs_cublas"]
+                print(f"{model:12s} {layer:8s} {m:6d}x{k:<6d} N={n:<5d} cublas {t['cublas'] * 1e6:9.1f} us  "
+                      f"fused {t.get('fused', float('nan')) * 1e6:9.1f} us ({sp.get('fused', float('nan')):5.2f}x)  "
+                      f"decoupled {t['decoupled'] * 1e6:9.1f} us ({sp['decoupled']:5.2f}x)  "
+                      f"dispatch[{plan.path}] {sp['dispatch']:5.2f}x", flush=True)
+            del ws, cts, w, ct
+            torch.cuda.empty_cache()
+    result = {
+        "benchmark": "bench_zipgemm",
+        "gpu": name, "compute_capability": f"{cc[0]}.{cc[1]}", "sm_count": sms, "l2_bytes": l2,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "dispatch_table": table.get("_file", "built-in"),
+        "iters": iters, "reps": reps, "statistic": "median of reps, mean per call within a rep",
+        "wall_seconds": round(time.time() - t_start, 1),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    fused_sp = [r["speedup_vs_cublas"]["fused"] for r in rows if "fused" in r["speedup_vs_cublas"]]
+    if fused_sp:
+        print(f"fused vs cuBLAS: geometric mean {math.exp(statistics.fmean(math.log(s) for s in fused_sp)):.3f}x "
+              f"over {len(fused_sp)} (shape, N), min {min(fused_sp):.2f}x, max {max(fused_sp):.2f}x")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""CUDA kernels on a real GPU (skipped elsewhere, see conftest.py).
+
+* decompress kernel: bit-exact vs the CPU codec (raw int16 patterns);
+* GPU encoder: byte-identical to the reference / native encoder;
+* fused ZipGEMM vs torch.matmul (fp32) on the decompressed weight, over
+  Llama-3-8B/70B and Qwen2.5 layer shapes and N in shapes.NS, with and
+  without split-K, with bias, through dispatch and under CUDA-graph capture.
+
+The GEMM tolerance is bf16 output rounding (2^-8 relative) plus 1e-4 of
+sum_k |x||w|; a single wrong weight element at the usual 0.02 scale moves an
+output by ~0.02 |x_k|, and any wrong mapping moves thousands of them.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zipserv_vllm
+from zipserv_vllm import cuda_ops, dispatch
+from zipserv_vllm.format import reference
+
+from .shapes import LLAMA3_8B, NS, all_shapes
+
+DEV = "cuda"
+
+
+def _gauss(m, k, seed=0, device=DEV):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(m, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
+
+
+_CT = {}
+
+
+def _weight(m, k):
+    """(W on GPU, its CompressedTensor on GPU), encoded by the GPU encoder (checked below)."""
+    if (m, k) not in _CT:
+        w = _gauss(m, k, seed=m * 7 + k)
+        _CT[(m, k)] = (w, cuda_ops.compress_tensor_cuda(w))
+    return _CT[(m, k)]
+
+
+def _assert_gemm_close(y, x, w, bias=None):
+    ref = x.float() @ w.float().T
+    scale = x.float().abs() @ w.float().abs().T
+    if bias is not None:
+        ref += bias.float()
+        scale += bias.float().abs()
+    err = (y.float() - ref).abs()
+    tol = 2.0**-8 * ref.abs() + 1e-4 * scale + 1e-6
+    bad = err > tol
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs off; worst {float((err - tol).max()):.3g}"
+
+
+# ------------------------------------------------------------ decompress
+@pytest.mark.parametrize("shape", [(1, 1), (64, 64), (100, 130), (129, 257), (4096, 4096), (6144, 4096), (4096, 14336)])
+def test_decompress_bit_exact(shape):
+    m, k = shape
+    w = _gauss(m, k, seed=3).cpu()
+    ct = zipserv_vllm.compress_tensor(w)
+    out = cuda_ops.decompress_cuda(*[t.to(DEV) for t in (ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb)], m, k)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu().view(torch.int16), w.view(torch.int16))
+
+
+def test_decompress_all_patterns_and_non_finite():
+    allp = torch.from_numpy(np.random.default_rng(0).permutation(65536).astype(np.uint16).view(np.int16))
+    w = allp.view(torch.bfloat16).reshape(256, 256)
+    ct = zipserv_vllm.compress_tensor(w).to(DEV)
+    assert torch.equal(zipserv_vllm.ops.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 256, 256)
+                       .cpu().view(torch.int16), w.view(torch.int16))
+
+
+# --------------------------------------------------------------- encoder
+@pytest.mark.parametrize("shape", [(1, 1), (64, 64), (65, 63), (100, 130), (256, 256)])
+def test_gpu_encoder_equals_reference(shape):
+    m, k = shape
+    rng = np.random.default_rng(m * k)
+    bits = rng.integers(0, 65536, size=shape, dtype=np.uint32).astype(np.uint16)
+    if m * k > 1:
+        bits[: m // 2] = ((rng.standard_normal((m // 2, k)) * 0.02).astype(np.float32).view(np.uint32) >> 16)
+    e = reference.encode(bits)
+    ct = cuda_ops.compress_tensor_cuda(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(DEV))
+    assert np.array_equal(ct.bitmaps.cpu().numpy().view(np.uint64), e.bitmaps)
+    assert np.array_equal(ct.base.cpu().numpy(), e.base)
+    assert np.array_equal(ct.offsets.cpu().numpy(), e.offsets)
+    assert np.array_equal(ct.sm.cpu().numpy(), e.sm)
+    assert np.array_equal(ct.fb.cpu().numpy().view(np.uint16), e.fb)
+
+
+@pytest.mark.parametrize("name,m,k", [s for s in all_shapes() if s[0].startswith("llama3-8b")])
+def test_gpu_encoder_equals_native_on_layer_shapes(name, m, k):
+    w, ct = _weight(m, k)
+    assert ct.same_encoding(zipserv_vllm.compress_tensor(w.cpu())), name
+
+
+def test_gpu_encoder_chunked_equals_unchunked():
+    w = _gauss(1000, 700, seed=9)
+    assert cuda_ops.compress_tensor_cuda(w, max_scratch_bytes=1).same_encoding(cuda_ops.compress_tensor_cuda(w))
+
+
+# ----------------------------------------------------------------- gemm
+def _args(ct):
+    return ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1]
+
+
+@pytest.mark.parametrize("name,m,k", all_shapes())
+def test_zipgemm_layer_shapes_all_n(name, m, k):
+    w, ct = _weight(m, k)
+    bias = (torch.randn(m, device=DEV) * 0.1).to(torch.bfloat16)
+    for n in NS:
+        x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+        tn = dispatch.tile_n_for(n)
+        for split in (1, 4):
+            for b in (None, bias):
+                y = cuda_ops.fused_gemm(x, *_args(ct), b, tn, split)
+                _assert_gemm_close(y, x, w, b)
+        y = zipserv_vllm.linear(x, ct, bias)  # dispatched (fused or decoupled)
+        _assert_gemm_close(y, x, w, bias)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 130), (129, 257), (200, 72), (65, 577), (4100, 4104)])
+@pytest.mark.parametrize("n", [1, 3, 9, 17, 33, 130])
+def test_zipgemm_awkward_shapes(shape, n):
+    m, k = shape
+    w, ct = _weight(m, k)
+    bias = (torch.randn(m, device=DEV) * 0.1).to(torch.bfloat16)
+    x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+    for tn in dispatch.TILE_NS:
+        for split in (1, 2, 3, 100):
+            _assert_gemm_close(cuda_ops.fused_gemm(x, *_args(ct), bias, tn, split), x, w, bias)
+
+
+def test_unaligned_x_uses_the_scalar_path():
+    m, k = 192, 256
+    w, ct = _weight(m, k)
+    buf = torch.randn(5 * k + 1, device=DEV).to(torch.bfloat16)
+    x = buf[1:].view(5, k)  # data_ptr % 16 == 2
+    assert x.data_ptr() % 16 != 0
+    _assert_gemm_close(cuda_ops.fused_gemm(x, *_args(ct), None, 8, 2), x, w)
+
+
+def test_exact_mode_is_bit_identical_to_bf16_path():
+    m, k = LLAMA3_8B["o"]
+    w, ct = _weight(m, k)
+    for n in (1, 17, 300):
+        x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+        assert torch.equal(zipserv_vllm.linear(x, ct, mode="exact").view(torch.int16), F.linear(x, w).view(torch.int16))
+
+
+def test_batched_input_shape():
+    w, ct = _weight(256, 320)
+    x = torch.randn(2, 3, 320, device=DEV).to(torch.bfloat16)
+    y = zipserv_vllm.linear(x, ct)
+    assert y.shape == (2, 3, 256)
+    _assert_gemm_close(y.reshape(6, 256), x.reshape(6, 320), w)
+
+
+# ------------------------------------------------------------ cuda graph
+def test_cuda_graph_capture_fused_splitk_and_decoupled():
+    shapes = [LLAMA3_8B["o"], LLAMA3_8B["qkv"]]
+    cts = [_weight(m, k) for m, k in shapes]
+    max_m = max(m for m, _ in shapes)
+    max_k = max(k for _, k in shapes)
+    cuda_ops.reserve_workspaces(DEV, max_m, max_k, 512)
+    for n in (1, 16, 100, 512):  # fused + split-K, fused, and (on most tables) decoupled at 512
+        xs = [torch.randn(n, k, device=DEV).to(torch.bfloat16) for _, k in shapes]
+        bias = (torch.randn(shapes[0][0], device=DEV) * 0.1).to(torch.bfloat16)
+        eager = [zipserv_vllm.linear(xs[0], cts[0][1], bias), zipserv_vllm.linear(xs[1], cts[1][1])]
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside capture
+            zipserv_vllm.linear(xs[0], cts[0][1], bias)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [zipserv_vllm.linear(xs[0], cts[0][1], bias), zipserv_vllm.linear(xs[1], cts[1][1])]
+        g.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(outs, eager):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        # new inputs in the captured buffers: results follow
+        for x in xs:
+            x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
+        g.replay()
+        torch.cuda.synchronize()
+        _assert_gemm_close(outs[0], xs[0], cts[0][0], bias)
+        _assert_gemm_close(outs[1], xs[1], cts[1][0])
+
+
+def test_capture_without_reserved_workspace_raises_clearly():
+    cuda_ops.release_workspaces()
+    w, ct = _weight(4096, 4096)
+    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
+    p = cuda_ops.plan(1, 4096, 4096, DEV)
+    if p.split == 1:
+        pytest.skip(f"this GPU's plan for N=1, 4096x4096 uses no split-K ({p})")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="reserve_workspaces"):
+        with torch.cuda.graph(g):
+            zipserv_vllm.linear(x, ct)
