@@ -1,0 +1,62 @@
+"""Offline ``LLM.generate`` through the zipserv plugin equals the BF16 model bit for bit.
+
+One engine per (architecture, way in), all in this process: the BF16 reference,
+the pre-compressed checkpoint (detected from config.json, no flag) and pack at
+load (``quantization="zipserv"`` on the BF16 checkpoint). Greedy tokens and
+their logprobs must be identical (exact mode, eager).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zs_e2e import PROMPTS, run_engine
+
+
+@pytest.fixture(scope="module")
+def llama_runs(vllm_env, llama_dirs):
+    bf16, zs = llama_dirs
+    return {"base": run_engine(bf16), "pre": run_engine(zs), "pack": run_engine(bf16, quantization="zipserv")}
+
+
+@pytest.fixture(scope="module")
+def qwen2_runs(vllm_env, qwen2_dirs):
+    bf16, zs = qwen2_dirs
+    return {"base": run_engine(bf16, chat=False), "pre": run_engine(zs, chat=False, quantization="zipserv"),
+            "pack": run_engine(bf16, chat=False, quantization="zipserv")}
+
+
+def _same(a, b):
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]  # exact float equality: bit-identical logits
+    assert a["text"] == b["text"]
+
+
+@pytest.mark.parametrize("way", ["pre", "pack"])
+def test_llama_identical_to_bf16(llama_runs, way):
+    base, run = llama_runs["base"], llama_runs[way]
+    assert len(base["tokens"]) == len(PROMPTS) >= 8
+    assert all(len(t) > 0 for t in base["tokens"])
+    _same(base, run)
+    assert run["chat"] == base["chat"]
+
+
+@pytest.mark.parametrize("way", ["pre", "pack"])
+def test_llama_really_compressed(llama_runs, way):
+    mem, base_mem = llama_runs[way]["memory"], llama_runs["base"]["memory"]
+    # 2 decoder layers x (qkv, o, gate_up, down) + embedding + lm_head
+    assert mem["layers_compressed"] == 10 and mem["layers_bf16"] == 0
+    assert base_mem["arena_bytes"] == 0 and base_mem["layers_compressed"] == 0
+    assert mem["load_paths"] == ({"tiles": 10} if way == "pre" else {"packed": 10})
+    assert 0 < mem["arena_bytes"] < mem["compressed_bf16_bytes"]
+    assert mem["total_bytes"] < base_mem["total_bytes"]
+    # What is left as parameters is the norms only (plus 0-size placeholders).
+    assert base_mem["total_bytes"] - mem["param_and_buffer_bytes"] >= mem["compressed_bf16_bytes"]
+
+
+@pytest.mark.parametrize("way", ["pre", "pack"])
+def test_qwen2_biases_tied_embeddings_non_tile_shapes(qwen2_runs, way):
+    _same(qwen2_runs["base"], qwen2_runs[way])
+    mem = qwen2_runs[way]["memory"]
+    # tied lm_head shares the embedding's arena data: 2 x 4 linear + 1 embedding
+    assert mem["layers_compressed"] == 9 and mem["layers_bf16"] == 0
