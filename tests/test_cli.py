@@ -1,6 +1,6 @@
 """The ``zipserv`` command: round trips, summaries, and one clear line for every bad input.
 
-Budget: about 10 s (tiny models; two subprocesses prove that no traceback reaches stderr).
+Budget: about 15 s (tiny models; one subprocess proves that no traceback reaches stderr).
 """
 
 from __future__ import annotations
@@ -309,21 +309,16 @@ def test_bad_arguments_exit_2(small, tmp_path, capsys):
     assert "invalid size '5XB'" in capsys.readouterr().err
 
 
-def test_subprocess_errors_have_no_traceback(small, tmp_path):
-    """Through the real entry point (python -m zipserv_vllm.cli): one stderr line, exit 2, offline hub id."""
-    src, zs = small
-    bad = tmp_path / "bad"
-    shutil.copytree(zs, bad)
-    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:1000])
+def test_subprocess_error_has_no_traceback(tmp_path):
+    """Through the real entry point (python -m zipserv_vllm.cli), offline: one stderr line, exit 2, no output."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    for args, expect in ((["verify", bad], f"{bad / 'model.safetensors'}: not a readable safetensors file"),
-                         (["compress", "no-such-org/no-such-model", tmp_path / "o"],
-                          "no-such-org/no-such-model: no such directory, and fetching it from the Hugging Face Hub failed")):
-        r = subprocess.run([sys.executable, "-m", "zipserv_vllm.cli", *map(str, args)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2, r.stderr
-        assert expect in one_error_line(r.stderr)
-        assert r.stdout == ""
+    r = subprocess.run([sys.executable, "-m", "zipserv_vllm.cli", "compress", "no-such-org/no-such-model",
+                        str(tmp_path / "o")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert line.startswith("zipserv: error: no-such-org/no-such-model: no such directory, and fetching it from the "
+                           "Hugging Face Hub failed (")
+    assert r.stdout == ""
     assert not (tmp_path / "o").exists() and no_staging_left(tmp_path)
 
 

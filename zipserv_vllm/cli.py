@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -144,16 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     def progress_opt(sp):
         sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="show a progress bar (default: only on a terminal)")
-        sp.add_argument("--threads", type=_positive_int, default=None,
+        sp.add_argument("--threads", metavar="N", type=_positive_int, default=None,
                         help="codec threads (default: ZIPSERV_THREADS or all usable cores)")
 
     c = sub.add_parser("compress", help="write a zipserv checkpoint of a BF16 checkpoint",
                        description="Compress every linear, embedding and lm_head weight of a BF16 safetensors "
                                    "checkpoint; copy everything else.")
-    c.add_argument("src", help="checkpoint directory, or a Hugging Face Hub id when no such path exists")
-    c.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    c.add_argument("src", metavar="SRC", help="checkpoint directory, or a Hugging Face Hub id when no such path exists")
+    c.add_argument("dst", metavar="DST", help="output directory (must not exist unless --overwrite)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once DST is complete)")
-    c.add_argument("--max-shard-size", type=_size_arg, default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
+    c.add_argument("--max-shard-size", metavar="SIZE", type=_size_arg, default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
     c.add_argument("--mode", choices=("fast", "exact"), default="fast",
                    help="GEMM mode recorded in quantization_config (default fast)")
     c.add_argument("--no-check", dest="check", action="store_false",
@@ -162,19 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_compress)
 
     v = sub.add_parser("verify", help="decode every tensor and check CRCs (and equality with --against)")
-    v.add_argument("dir", help="zipserv checkpoint directory")
+    v.add_argument("dir", metavar="DIR", help="zipserv checkpoint directory")
     v.add_argument("--against", metavar="SRC", default=None, help="original checkpoint: require bit equality")
     progress_opt(v)
     v.set_defaults(func=_cmd_verify)
 
     i = sub.add_parser("inspect", help="per-tensor sizes, bits per weight and window coverage")
-    i.add_argument("dir", help="checkpoint directory (compressed or not)")
+    i.add_argument("dir", metavar="DIR", help="checkpoint directory (compressed or not)")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
     i.set_defaults(func=_cmd_inspect)
 
     d = sub.add_parser("decompress", help="rebuild the plain BF16 checkpoint")
-    d.add_argument("dir", help="zipserv checkpoint directory")
-    d.add_argument("out", help="output directory (must not exist unless --overwrite)")
+    d.add_argument("dir", metavar="DIR", help="zipserv checkpoint directory")
+    d.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
     d.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once OUT is complete)")
     progress_opt(d)
     d.set_defaults(func=_cmd_decompress)
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = lambda msg, *_a, **_k: print(f"zipserv: warning: {msg}", file=sys.stderr)
         try:
             return args.func(args)
+        except BrokenPipeError:  # e.g. `zipserv inspect DIR | head`: stop quietly, as other tools do
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_MISMATCH
         except (CheckpointError, FormatError, SafetensorError, OSError) as exc:
             print(f"zipserv: error: {_error_line(exc)}", file=sys.stderr)
             return EXIT_ERROR

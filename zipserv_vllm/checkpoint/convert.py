@@ -9,6 +9,7 @@ temporary sibling directory (see ``files.staged_directory``).
 from __future__ import annotations
 
 import json
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -380,6 +381,11 @@ def coverage(ct: CompressedTensor) -> float:
     return float(int(high_counts(ct.bitmaps).sum()) - padding) / (m * k)
 
 
+def _natural_key(name: str) -> list:
+    """Sort key that puts ``layers.2`` before ``layers.10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
 def inspect_checkpoint(path) -> dict:
     """Per-tensor sizes (and, for compressed weights, bits per weight and window coverage) plus totals.
 
@@ -410,6 +416,7 @@ def inspect_checkpoint(path) -> dict:
             summary.add("uncompressed", n, stored, stored)
         rows.append(row)
         del value
+    rows.sort(key=lambda r: _natural_key(r["name"]))
     comp = summary.compressed
     cov = sum(r["coverage"] * _numel(r["shape"]) for r in rows if r["compressed"])
     return {
