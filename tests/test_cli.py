@@ -352,3 +352,12 @@ def test_progress_bar(small, tmp_path, capsys):
     src, _ = small
     rc, _, err = run(["compress", src, tmp_path / "zs", "--progress"], capsys)
     assert rc == 0 and "compress" in err and "B/s" in err
+
+
+def test_destination_is_or_inside_source(small, tmp_path, capsys):
+    src, zs = small
+    rc, _, err = run(["compress", src, src / "zs"], capsys)
+    assert rc == 2 and one_error_line(err) == f"zipserv: error: {src / 'zs'}: the destination is inside the source checkpoint {src}"
+    rc, _, err = run(["decompress", zs, zs, "--overwrite"], capsys)
+    assert rc == 2 and one_error_line(err) == f"zipserv: error: {zs}: the destination is the source checkpoint"
+    assert not (src / "zs").exists() and no_staging_left(src) and no_staging_left(zs.parent)

@@ -119,6 +119,15 @@ def _progress(total: int, desc: str, enabled: bool | None):
                 disable=None if enabled is None else not enabled, leave=False)
 
 
+def _check_destination(src: Path, dst: Path) -> None:
+    """Refuse a destination that is the source or lies inside it (it would be copied into itself)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s:
+        raise CheckpointError(f"{dst}: the destination is the source checkpoint")
+    if s in d.parents:
+        raise CheckpointError(f"{dst}: the destination is inside the source checkpoint {src}")
+
+
 def _write_config(dst: Path, config: dict) -> None:
     (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -180,8 +189,7 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
     dst = Path(dst)
     ck = Checkpoint.open(src_path)
     _check_source(ck)
-    if dst.resolve() == src_path.resolve():
-        raise CheckpointError(f"{dst}: the destination is the source checkpoint")
+    _check_destination(src_path, dst)
     total = sum(ck.entry_nbytes(e) for e in ck.entries)
     summary = SizeSummary()
     modules: list[str] = []
@@ -260,8 +268,7 @@ def decompress_checkpoint(src, dst, *, overwrite: bool = False, threads: int | N
     """Rebuild the plain BF16 checkpoint (same tensor names and shards, no quantization_config)."""
     ck = _open_compressed(src)
     dst = Path(dst)
-    if dst.resolve() == ck.path.resolve():
-        raise CheckpointError(f"{dst}: the destination is the source checkpoint")
+    _check_destination(ck.path, dst)
     summary = SizeSummary()
     start = time.perf_counter()
     total = sum(ck.entry_nbytes(e) for e in ck.entries)

@@ -23,10 +23,10 @@ SINGLE_FILE = "model.safetensors"
 WEIGHT_SUFFIX = ".weight"
 SUFFIXES = spec.SUFFIXES  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb
 
-# A name containing one of these components is never compressed (checked on the dotted parts).
+# Never compressed: anything with "norm" in its name, and these dotted components (positional
+# embeddings and rotary tables are plain tensors or nn.Embedding in vLLM, not linear layers).
 _EXCLUDED = re.compile(
-    r"(^|[._])(norm|layernorm|layer_norm|ln|ln_f|ln_\d+|rmsnorm|wpe|position_embeddings|embed_positions"
-    r"|rotary_emb|rotary|inv_freq)([._]|$)|norm"
+    r"norm|(^|\.)(ln|ln_f|ln_\d+|wpe|position_embeddings|embed_positions|rotary_emb|rotary)(\.|$)"
 )
 
 # Layer kinds of the summary tables, in display order.
