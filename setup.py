@@ -87,10 +87,17 @@ class BuildExt(build_ext):
         if ext.name == "zipserv_vllm._cuda" and _nvb is not None:
             nvcc = _nvb.find_nvcc()
             archs = _nvb.cuda_archs(nvcc)
-            out = os.path.join(self.build_temp, "cuda_objs")
-            print(f"zipserv-vllm: nvcc {', '.join('sm_' + a for a in archs)} -> {out}")
-            objs = _nvb.compile_all(nvcc, _nvb.cu_sources(), out, archs)
-            ext.extra_objects = [str(o) for o in objs]
+            out = os.path.join(self.build_temp, "cuda_objs", "_".join(archs))
+            srcs = _nvb.cu_sources()
+            objs = [os.path.join(out, s.name + ".o") for s in srcs]
+            deps = [str(p) for p in srcs] + glob.glob("csrc/cuda/*.cuh") + glob.glob("csrc/cuda/*.h") + \
+                glob.glob("csrc/include/zipserv/*.h")
+            newest = max(os.path.getmtime(d) for d in deps)
+            if self.force or not all(os.path.exists(o) and os.path.getmtime(o) >= newest for o in objs):
+                print(f"zipserv-vllm: nvcc {', '.join('sm_' + a for a in archs)} -> {out}")
+                objs = [str(o) for o in _nvb.compile_all(nvcc, srcs, out, archs)]
+            ext.extra_objects = objs
+            ext.depends = list(ext.depends) + deps
         super().build_extension(ext)
 
 

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
   cp_async_wait_all();
   __syncwarp();
 
-  const bool k_even = (a.K & 1) == 0;
+  __shared__ __align__(16) uint16_t tile[kTile * kOutPitch];
   int hrun = 0;
 #pragma unroll 4
   for (int i = 0; i < kFtPerMed; ++i) {
@@ -46,20 +46,23 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
     const uint32_t v = decode_lane_pair(p0, p1, p2, base_exp, st_sm[warp], st_fb[warp], seg.sm_local + hrun,
                                         seg.fb_local + i * kFragElems - hrun, lane);
     hrun += popc64(indicator(p0, p1, p2));
-    const int row = tm * kTile + frag_row0(f) + lane / 4;
-    const int col = tk * kTile + frag_col0(f) + 2 * (lane % 4);
-    if (row < a.M) {
-      uint16_t* dst = a.out + static_cast<int64_t>(row) * a.K + col;
-      if (col + 1 < a.K) {
-        if (k_even) {
-          *reinterpret_cast<uint32_t*>(dst) = v;
-        } else {
-          dst[0] = static_cast<uint16_t>(v);
-          dst[1] = static_cast<uint16_t>(v >> 16);
-        }
-      } else if (col < a.K) {
-        dst[0] = static_cast<uint16_t>(v);
-      }
+    *reinterpret_cast<uint32_t*>(tile + out_tile_index(frag_row0(f) + lane / 4, frag_col0(f) + 2 * (lane % 4))) = v;
+  }
+  __syncwarp();
+  // Warp w's FTs cover tile rows 16 w .. 16 w + 15: store them, 16 bytes per lane
+  // where the row chunk is inside the matrix and aligned, element-wise at the edges.
+  const bool vec = (a.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(a.out) & 15) == 0);
+  for (int c = lane; c < kMedRows * 8; c += 32) {
+    const int r = warp * kMedRows + c / 8, c0 = (c % 8) * 8;
+    const int row = tm * kTile + r, col = tk * kTile + c0;
+    if (row >= a.M) continue;
+    const uint16_t* src = tile + out_tile_index(r, c0);
+    uint16_t* dst = a.out + static_cast<int64_t>(row) * a.K + col;
+    if (vec && col + 8 <= a.K) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8; ++e)
+        if (col + e < a.K) dst[e] = src[e];
     }
   }
 }

@@ -56,8 +56,14 @@ ZS_HD int stage_sm(int warp) { return warp * kSmStageBytes; }
 ZS_HD int stage_fb(int warp) { return kWarps * kSmStageBytes + warp * kFbStageElems * 2; }
 ZS_HD int stage_x(int /*tile_n*/) { return kWarps * (kSmStageBytes + kFbStageElems * 2); }
 
-// Decompress kernel: one tile per block, one stage.
-ZS_HD int decompress_smem_bytes() { return kBmpBytes + kWarps * (kSmStageBytes + kFbStageElems * 2); }
+// Decompress kernel: one tile per block, one stage, and the decoded tile
+// staged row-major with a pitch of 72 elements (144-byte rows: 16-byte aligned
+// for the vector stores, and the lanes' 4-byte writes of one FT hit 32 banks).
+constexpr int kOutPitch = kTile + 8;
+ZS_HD int out_tile_index(int r, int c) { return r * kOutPitch + c; }
+ZS_HD int decompress_smem_bytes() {
+  return kBmpBytes + kWarps * (kSmStageBytes + kFbStageElems * 2) + kTile * kOutPitch * 2;
+}
 
 // ---------------------------------------------------------------- A side
 // FT of the tile that feeds A register j (a0..a3) of warp w in K slice kg.

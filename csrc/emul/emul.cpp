@@ -193,6 +193,7 @@ py::array_t<uint16_t> emulate_decompress(const Arr<uint64_t>& bitmaps, const Arr
   std::memset(o, 0xFF, sizeof(uint16_t) * size_t(M) * K);
   std::mt19937 rng(99);
   WarpStage st;
+  std::vector<uint16_t> tile(kTile * kOutPitch);
   for (int64_t g = 0; g < int64_t{c.Mt} * c.Kt; ++g) {
     const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
     const int tm = static_cast<int>(g / c.Kt), tk = static_cast<int>(g % c.Kt);
@@ -205,11 +206,18 @@ py::array_t<uint16_t> emulate_decompress(const Arr<uint64_t>& bitmaps, const Arr
         for (int lane = 0; lane < 32; ++lane) {
           const uint32_t v = decode_lane_pair(p0, p1, p2, c.base[g], st.sm.data(), st.fb.data(),
                                               st.seg.sm_local + hrun, st.seg.fb_local + i * kFragElems - hrun, lane);
-          const int row = tm * kTile + frag_row0(f) + lane / 4, col = tk * kTile + frag_col0(f) + 2 * (lane % 4);
-          for (int e = 0; e < 2; ++e)
-            if (row < M && col + e < K) o[int64_t{row} * K + col + e] = static_cast<uint16_t>(v >> (16 * e));
+          const int idx = out_tile_index(frag_row0(f) + lane / 4, frag_col0(f) + 2 * (lane % 4));
+          tile[idx] = static_cast<uint16_t>(v);
+          tile[idx + 1] = static_cast<uint16_t>(v >> 16);
         }
         hrun += popc64(indicator(p0, p1, p2));
+      }
+      for (int ci = 0; ci < kMedRows * 8; ++ci) {  // the lanes' 16-byte row chunks of the medium tile
+        const int r = warp * kMedRows + ci / 8, c0 = (ci % 8) * 8;
+        const int row = tm * kTile + r, col = tk * kTile + c0;
+        if (row >= M) continue;
+        for (int e = 0; e < 8; ++e)
+          if (col + e < K) o[int64_t{row} * K + col + e] = tile[out_tile_index(r, c0 + e)];
       }
     }
   }
@@ -354,6 +362,7 @@ PYBIND11_MODULE(_emul, m) {
         "Fragment-level replay of the fused kernel (+ split-K reduction) -> (y bf16 bits, y fp32)");
   m.def("splitk_parts", [](int kt, int split) { return splitk_parts(kt, split); });
   m.def("fused_smem_bytes", [](int tile_n) { return fused_smem_bytes(tile_n); });
+  m.def("decompress_smem_bytes", []() { return decompress_smem_bytes(); });
   m.def("f32_to_bf16", &f32_to_bf16, "The kernels' fp32 -> bf16 rounding (RNE)");
   m.attr("PERTURBATIONS") = py::dict(py::arg("lane") = 1, py::arg("a_regs") = 2, py::arg("x_swizzle") = 4,
                                      py::arg("fb_offset") = 8, py::arg("splitk_range") = 16, py::arg("c_map") = 32);
