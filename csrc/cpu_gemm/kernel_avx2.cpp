@@ -22,16 +22,13 @@ namespace zipserv {
 namespace cpu {
 namespace {
 
-// Defined in the shared body (simd_common.inc), included below.
-inline void assemble_store(__m256i c, __m256i smx, __m256i thi, __m256i tlo, uint32_t* dst);
+inline int64_t tile_high_avx2(const uint64_t* planes);
+inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
+                           __m256i tlo, uint16_t* dst, uint16_t* dummy);
 
-inline __m256i bits_mask(uint32_t v) {
-  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(v)), shuf);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
-}
+#define ZS_TILE_HIGH(planes) tile_high_avx2(planes)
+#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst, dummy) decode_ft_avx2(pl, smp, fbp, thi, tlo, dst, dummy)
+#include "simd_common.inc"
 
 inline int64_t tile_high_avx2(const uint64_t* planes) {
   int64_t h = 0;
@@ -40,41 +37,56 @@ inline int64_t tile_high_avx2(const uint64_t* planes) {
   return h;
 }
 
-inline void decode_ft_avx2(uint64_t p0, uint64_t p1, uint64_t p2, uint64_t ind, const uint8_t* smp,
-                           __m256i thi, __m256i tlo, uint32_t* dst) {
+// Byte masks (0xFF where the bit is set) of 32 bits of the broadcast plane
+// word b: bits 0-31 with shuf = kShuf[0], bits 32-63 with kShuf[1].
+inline __m256i plane_mask(__m256i b, __m256i shuf) {
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(b, shuf), bit), bit);
+}
+
+inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
+                           __m256i tlo, uint16_t* dst, uint16_t* dummy) {
   const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i zero = _mm256_setzero_si256();
-  const uint8_t* g1 = smp + _mm_popcnt_u64(ind & 0xFFFF);
-  const uint8_t* g2 = g1 + _mm_popcnt_u64((ind >> 16) & 0xFFFF);
-  const uint8_t* g3 = g2 + _mm_popcnt_u64((ind >> 32) & 0xFFFF);
-  const uint8_t* lo_src[2] = {smp, g2};
-  const uint8_t* hi_src[2] = {g1, g3};
+  const uint64_t ind = pl[0] | pl[kFragsPerTile] | pl[2 * kFragsPerTile];
+  // High counts of the first three 16-element groups give each group's start.
+  const int h0 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFF));
+  const int h01 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFFFFFFull));
+  const int h012 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFFFFFFFFFFull));
+  const uint8_t* sg[4] = {smp, smp + h0, smp + h01, smp + h012};
+  const int hall = static_cast<int>(_mm_popcnt_u64(ind));
+  const __m256i b0 = _mm256_set1_epi64x(static_cast<long long>(pl[0]));
+  const __m256i b1 = _mm256_set1_epi64x(static_cast<long long>(pl[kFragsPerTile]));
+  const __m256i b2 = _mm256_set1_epi64x(static_cast<long long>(pl[2 * kFragsPerTile]));
   for (int h = 0; h < 2; ++h) {
-    const __m256i m0 = bits_mask(static_cast<uint32_t>(p0 >> (32 * h)));
-    const __m256i m1 = bits_mask(static_cast<uint32_t>(p1 >> (32 * h)));
-    const __m256i m2 = bits_mask(static_cast<uint32_t>(p2 >> (32 * h)));
-    const __m256i c = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(m0, _mm256_set1_epi8(1)),
-                                                      _mm256_and_si256(m1, _mm256_set1_epi8(2))),
-                                      _mm256_and_si256(m2, _mm256_set1_epi8(4)));
-    // Inclusive prefix sum (per 16-byte lane) of -1 at fallback positions:
-    // a high element at position i has i + x[i] high elements before it.
-    __m256i x = _mm256_cmpeq_epi8(c, zero);
-    x = _mm256_add_epi8(x, _mm256_slli_si256(x, 1));
+    const __m256i shuf = h == 0 ? _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                   2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                                : _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5,
+                                                   6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7);
+    const __m256i c = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(plane_mask(b0, shuf), _mm256_set1_epi8(1)),
+                        _mm256_and_si256(plane_mask(b1, shuf), _mm256_set1_epi8(2))),
+        _mm256_and_si256(plane_mask(b2, shuf), _mm256_set1_epi8(4)));
+    // Inclusive prefix sum (per 16-element lane) of -1 at fallbacks: a high
+    // element at i has i + x[i] high elements before it in its lane.
+    const __m256i z = _mm256_cmpeq_epi8(c, zero);
+    __m256i x = _mm256_add_epi8(z, _mm256_slli_si256(z, 1));
     x = _mm256_add_epi8(x, _mm256_slli_si256(x, 2));
     x = _mm256_add_epi8(x, _mm256_slli_si256(x, 4));
     x = _mm256_add_epi8(x, _mm256_slli_si256(x, 8));
-    const __m256i idx = _mm256_add_epi8(x, iota);
-    const __m256i src = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_src[h]))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_src[h])), 1);
-    assemble_store(c, _mm256_shuffle_epi8(src, idx), thi, tlo, dst + 32 * h);
+    const __m256i sms = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(sg[2 * h])), load16(sg[2 * h + 1]), 1);
+    __m256i lo, hi;
+    assemble_lohi(c, _mm256_shuffle_epi8(sms, _mm256_add_epi8(x, iota)), thi, tlo, &lo, &hi);
+    store_lohi(lo, hi, dst + 32 * h);
   }
+  fix_fallback(ind, fbp, dst, dummy);
+  smp += hall;
+  fbp += 64 - hall;
 }
 
-#define ZS_TILE_HIGH(planes) tile_high_avx2(planes)
-#define ZS_DECODE_FT(p0, p1, p2, ind, smp, thi, tlo, dst) decode_ft_avx2(p0, p1, p2, ind, smp, thi, tlo, dst)
-#include "simd_common.inc"
 }  // namespace
 }  // namespace cpu
 }  // namespace zipserv

@@ -33,8 +33,13 @@ namespace zipserv {
 namespace cpu {
 namespace {
 
-// Defined in the shared body (simd_common.inc), included below.
-inline void assemble_store(__m256i c, __m256i smx, __m256i thi, __m256i tlo, uint32_t* dst);
+inline int64_t tile_high_avx512(const uint64_t* planes);
+inline void decode_ft_avx512(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
+                             __m256i tlo, uint16_t* dst, uint16_t* dummy);
+
+#define ZS_TILE_HIGH(planes) tile_high_avx512(planes)
+#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst, dummy) decode_ft_avx512(pl, smp, fbp, thi, tlo, dst, dummy)
+#include "simd_common.inc"
 
 inline int64_t tile_high_avx512(const uint64_t* planes) {
   __m512i acc = _mm512_setzero_si512();
@@ -49,20 +54,35 @@ inline int64_t tile_high_avx512(const uint64_t* planes) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-inline void decode_ft_avx512(uint64_t p0, uint64_t p1, uint64_t p2, uint64_t ind, const uint8_t* smp,
-                             __m256i thi, __m256i tlo, uint32_t* dst) {
+inline void decode_ft_avx512(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
+                             __m256i tlo, uint16_t* dst, uint16_t*) {
+  const uint64_t p0 = pl[0], p1 = pl[kFragsPerTile], p2 = pl[2 * kFragsPerTile];
+  const uint64_t ind = p0 | p1 | p2, nf = ~ind;
+  // code = 1 | 2 | 4 under the plane masks; vpexpandb places the high
+  // elements' sign-mantissa bytes, vpexpandw the fallback patterns.
   const __m512i c = _mm512_or_si512(
       _mm512_or_si512(_mm512_maskz_mov_epi8(_cvtu64_mask64(p0), _mm512_set1_epi8(1)),
                       _mm512_maskz_mov_epi8(_cvtu64_mask64(p1), _mm512_set1_epi8(2))),
       _mm512_maskz_mov_epi8(_cvtu64_mask64(p2), _mm512_set1_epi8(4)));
   const __m512i smx = _mm512_maskz_expandloadu_epi8(_cvtu64_mask64(ind), smp);
-  assemble_store(_mm512_castsi512_si256(c), _mm512_castsi512_si256(smx), thi, tlo, dst);
-  assemble_store(_mm512_extracti64x4_epi64(c, 1), _mm512_extracti64x4_epi64(smx, 1), thi, tlo, dst + 32);
+  smp += _mm_popcnt_u64(ind);
+  __m512i fbw[2];
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t m = static_cast<uint32_t>(nf >> (32 * h));
+    fbw[h] = _mm512_maskz_expandloadu_epi16(_cvtu32_mask32(m), fbp);
+    fbp += _mm_popcnt_u32(m);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ch = h == 0 ? _mm512_castsi512_si256(c) : _mm512_extracti64x4_epi64(c, 1);
+    const __m256i sh = h == 0 ? _mm512_castsi512_si256(smx) : _mm512_extracti64x4_epi64(smx, 1);
+    __m256i lo, hi;
+    assemble_lohi(ch, sh, thi, tlo, &lo, &hi);
+    const __mmask32 fm = _cvtu32_mask32(static_cast<uint32_t>(nf >> (32 * h)));
+    lo = _mm256_mask_blend_epi8(fm, lo, _mm512_cvtepi16_epi8(fbw[h]));
+    hi = _mm256_mask_blend_epi8(fm, hi, _mm512_cvtepi16_epi8(_mm512_srli_epi16(fbw[h], 8)));
+    store_lohi(lo, hi, dst + 32 * h);
+  }
 }
-
-#define ZS_TILE_HIGH(planes) tile_high_avx512(planes)
-#define ZS_DECODE_FT(p0, p1, p2, ind, smp, thi, tlo, dst) decode_ft_avx512(p0, p1, p2, ind, smp, thi, tlo, dst)
-#include "simd_common.inc"
 
 }  // namespace
 }  // namespace cpu

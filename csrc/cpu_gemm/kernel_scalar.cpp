@@ -61,7 +61,8 @@ void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
           float* a = &s.acc[(r * n + t) * 4];
           const float* x = job.x + t * job.kp + tk * kTile;
           for (int c = 0; c < kTile; ++c) {
-            a[c & 3] = std::fma(bf16_to_float(s.tile[r * kTile + c]), x[c], a[c & 3]);
+            const int l = lane_of(c);
+            a[l] = std::fma(bf16_to_float(s.tile[r * kTile + c]), x[x_slot(c)], a[l]);
           }
         }
       }
