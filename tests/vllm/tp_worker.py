@@ -1,0 +1,47 @@
+"""Run the greedy batch at tensor-parallel size 2 for several checkpoints (one JSON line).
+
+Started in a subprocess by test_tensor_parallel.py: TP=2 on CPU needs the
+multi-process executor and ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and it must
+not share the test process's in-process engine state.
+Usage: python tp_worker.py OUT.json NAME=DIR[,quantization] ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+# LLM.apply_model ships a function to the workers: local test processes only.
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+    from zs_e2e import ENGINE_KW, MAX_TOKENS, PROMPTS
+
+    out, results = sys.argv[1], {}
+    for spec in sys.argv[2:]:
+        name, _, rest = spec.partition("=")
+        model, _, quant = rest.partition(",")
+        kw = {"quantization": quant} if quant else {}
+        llm = LLM(model=model, tensor_parallel_size=2, **{**ENGINE_KW, **kw})
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        results[name] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
+            "memory": llm.apply_model(weight_memory),
+        }
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
