@@ -242,6 +242,17 @@ def gemm_cuda(x, bitmaps, base, offsets, sm, fb, m: int, k: int, bias, mode: str
 
 
 # ----------------------------------------------------------- GPU encoder
+def canonical_offsets(hcount: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Segment starts [G, 2] of the canonical layout from each tile's H, and the
+    stream lengths (sm bytes, fb elements). Works on any device (one sync for the
+    lengths); the GPU encoder and its CPU replay both use it."""
+    sm_len = (hcount + spec.SM_ALIGN - 1) // spec.SM_ALIGN * spec.SM_ALIGN
+    fb_len = (spec.TILE_ELEMS - hcount + spec.FB_ALIGN - 1) // spec.FB_ALIGN * spec.FB_ALIGN
+    off = torch.stack([torch.cumsum(sm_len, 0) - sm_len, torch.cumsum(fb_len, 0) - fb_len], dim=1).contiguous()
+    s_len, f_len = (int(v) for v in torch.stack([sm_len.sum(), fb_len.sum()]).tolist())
+    return off, s_len, f_len
+
+
 def compress_tensor_cuda(w: torch.Tensor, max_scratch_bytes: int = 512 << 20):
     """Encode a 2-D CUDA bf16 tensor on the GPU; byte-identical to the reference encoder.
 
@@ -275,10 +286,7 @@ def compress_tensor_cuda(w: torch.Tensor, max_scratch_bytes: int = 512 << 20):
             sfb = torch.empty(g * spec.TILE_ELEMS, dtype=torch.int16, device=dev)
             _cuda.encode_tiles(w.data_ptr(), m, k, tm0, rows, bitmaps.data_ptr(), base.data_ptr(), hcount.data_ptr(),
                                ssm.data_ptr(), sfb.data_ptr(), st)
-            sm_len = (hcount + spec.SM_ALIGN - 1) // spec.SM_ALIGN * spec.SM_ALIGN
-            fb_len = (spec.TILE_ELEMS - hcount + spec.FB_ALIGN - 1) // spec.FB_ALIGN * spec.FB_ALIGN
-            off = torch.stack([torch.cumsum(sm_len, 0) - sm_len, torch.cumsum(fb_len, 0) - fb_len], dim=1).contiguous()
-            s_len, f_len = (int(v) for v in torch.stack([sm_len.sum(), fb_len.sum()]).tolist())
+            off, s_len, f_len = canonical_offsets(hcount)
             sm = torch.zeros(s_len, dtype=torch.uint8, device=dev)
             fb = torch.zeros(f_len, dtype=torch.int16, device=dev)
             _cuda.encode_scatter(hcount.data_ptr(), off.data_ptr(), ssm.data_ptr(), sfb.data_ptr(), sm.data_ptr(),

@@ -8,17 +8,15 @@
 // sums (the canonical offsets, torch.cumsum), allocates zeroed streams, and
 // kernel 2 (encode_scatter_kernel) copies each tile's scratch into its segment.
 #include "device_common.cuh"
+#include "encode_layout.cuh"
 #include "launch.h"
 
 namespace zipserv {
 namespace cuda {
 namespace {
 
-using namespace zipserv::gemm;
-
-constexpr int kEncThreads = 256;
-constexpr int kPerThread = kTileElems / kEncThreads;  // 16 consecutive q
-static_assert(kPerThread == 16, "a thread covers a quarter FT");
+using namespace zipserv::enc;
+constexpr int kEncThreads = enc::kThreads;
 
 __global__ void __launch_bounds__(kEncThreads) encode_tiles_kernel(EncodeArgs a) {
   __shared__ int hist[256];
@@ -39,37 +37,35 @@ __global__ void __launch_bounds__(kEncThreads) encode_tiles_kernel(EncodeArgs a)
   bool ok[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int q = tid * kPerThread + i, f = q / kFragElems, p = q % kFragElems;
-    const int r = tm * kTile + frag_row0(f) + p / kFrag, c = tk * kTile + frag_col0(f) + p % kFrag;
+    const int q = elem_q(tid, i);
+    const int r = tm * kTile + elem_row(q), c = tk * kTile + elem_col(q);
     ok[i] = r < a.M && c < a.K;
     v[i] = ok[i] ? a.w[static_cast<int64_t>(r) * a.K + c] : uint16_t{0};
     if (ok[i]) atomicAdd(&hist[(v[i] >> 7) & 0xFF], 1);
   }
   __syncthreads();
 
-  // Window start s = tid + 1 (1..249); key orders by cover, then smaller s.
   if (tid < kMaxWindowStart) {
     int cover = 0;
     for (int e = 0; e < kWindow; ++e) cover += hist[tid + kMinWindowStart + e];
-    atomicMax(&best, cover * 256 + (255 - tid));
+    atomicMax(&best, window_key(cover, tid));
   }
   __syncthreads();
-  const int base_exp = 255 - (best & 0xFF);  // = s - 1
+  const int base_exp = base_of_key(best);
 
   uint64_t w0 = 0, w1 = 0, w2 = 0;
   int cnt = 0;
   unsigned code[kPerThread];
-  const int pos0 = (tid % 4) * kPerThread;  // bit position of element 0 in its FT
+  const int pos0 = thread_bit0(tid);
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int rel = static_cast<int>((v[i] >> 7) & 0xFF) - base_exp;
-    code[i] = ok[i] ? ((rel >= 1 && rel <= kWindow) ? static_cast<unsigned>(rel) : 0u) : static_cast<unsigned>(kPadCode);
+    code[i] = code_of(v[i], ok[i], base_exp);
     w0 |= static_cast<uint64_t>(code[i] & 1u) << (pos0 + i);
     w1 |= static_cast<uint64_t>((code[i] >> 1) & 1u) << (pos0 + i);
     w2 |= static_cast<uint64_t>((code[i] >> 2) & 1u) << (pos0 + i);
     cnt += code[i] != 0u;
   }
-  const int f = tid / 4;
+  const int f = thread_ft(tid);
   atomicOr(&planes[f], static_cast<unsigned long long>(w0));
   atomicOr(&planes[kFragsPerTile + f], static_cast<unsigned long long>(w1));
   atomicOr(&planes[2 * kFragsPerTile + f], static_cast<unsigned long long>(w2));
@@ -94,9 +90,9 @@ __global__ void __launch_bounds__(kEncThreads) encode_tiles_kernel(EncodeArgs a)
   uint16_t* sfb = a.scratch_fb + gl * kTileElems;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int q = tid * kPerThread + i;
+    const int q = elem_q(tid, i);
     if (code[i] != 0u) {
-      ssm[h] = ok[i] ? static_cast<uint8_t>(((v[i] >> 8) & 0x80u) | (v[i] & 0x7Fu)) : kPadSm;
+      ssm[h] = sm_byte_of(v[i], ok[i]);
       ++h;
     } else {
       sfb[q - h] = v[i];

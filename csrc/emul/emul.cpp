@@ -20,6 +20,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "encode_layout.cuh"
 #include "zipgemm_layout.cuh"
 #include "zipserv/decode_lane.h"
 #include "zipserv/format.h"
@@ -345,6 +347,89 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
   return py::make_tuple(y, yf);
 }
 
+// Replay of encode_tiles_kernel (csrc/cuda/encode.cu), thread by thread.
+// Returns (bitmaps [Mt, Kt, 3, 64], base [Mt, Kt], hcount [G], scratch_sm [G, 4096], scratch_fb [G, 4096]).
+py::tuple emulate_encode_tiles(const Arr<uint16_t>& w) {
+  if (w.ndim() != 2 || w.shape(0) < 1 || w.shape(1) < 1) throw std::invalid_argument("w must be a non-empty 2-D array");
+  const int M = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  const int Mt = (M + kTile - 1) / kTile, Kt = (K + kTile - 1) / kTile;
+  const int64_t G = int64_t{Mt} * Kt;
+  py::array_t<uint64_t> bitmaps({int64_t{Mt}, int64_t{Kt}, int64_t{kPlanes}, int64_t{kFragsPerTile}});
+  py::array_t<uint8_t> base({Mt, Kt});
+  py::array_t<int64_t> hcount(G);
+  py::array_t<uint8_t> ssm({G, int64_t{kTileElems}});
+  py::array_t<uint16_t> sfb({G, int64_t{kTileElems}});
+  std::memset(ssm.mutable_data(), 0xCD, size_t(G) * kTileElems);           // scratch is uninitialised on the GPU
+  std::memset(sfb.mutable_data(), 0xCD, size_t(G) * kTileElems * 2);
+  const uint16_t* W = w.data();
+  constexpr int T = enc::kThreads, P = enc::kPerThread;
+  std::vector<uint16_t> v(size_t(T) * P);
+  std::vector<char> ok(size_t(T) * P);
+  std::vector<unsigned> code(size_t(T) * P);
+  for (int64_t g = 0; g < G; ++g) {
+    const int tm = static_cast<int>(g / Kt), tk = static_cast<int>(g % Kt);
+    int hist[256] = {};
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < P; ++i) {
+        const int q = enc::elem_q(t, i), r = tm * kTile + enc::elem_row(q), c = tk * kTile + enc::elem_col(q);
+        const size_t e = size_t(t) * P + i;
+        ok[e] = r < M && c < K;
+        v[e] = ok[e] ? W[int64_t{r} * K + c] : uint16_t{0};
+        if (ok[e]) ++hist[(v[e] >> 7) & 0xFF];
+      }
+    int best = -1;
+    for (int t = 0; t < kMaxWindowStart; ++t) {
+      int cover = 0;
+      for (int e = 0; e < kWindow; ++e) cover += hist[t + kMinWindowStart + e];
+      best = std::max(best, enc::window_key(cover, t));
+    }
+    const int base_exp = enc::base_of_key(best);
+    uint64_t* planes = bitmaps.mutable_data() + g * kPlanes * kFragsPerTile;
+    std::memset(planes, 0, sizeof(uint64_t) * kPlanes * kFragsPerTile);
+    int h = 0;  // the block scan, in thread order
+    for (int t = 0; t < T; ++t) {
+      const int f = enc::thread_ft(t), pos0 = enc::thread_bit0(t);
+      for (int i = 0; i < P; ++i) {
+        const size_t e = size_t(t) * P + i;
+        code[e] = enc::code_of(v[e], ok[e], base_exp);
+        for (int b = 0; b < kPlanes; ++b) planes[b * kFragsPerTile + f] |= uint64_t((code[e] >> b) & 1u) << (pos0 + i);
+      }
+      for (int i = 0; i < P; ++i) {
+        const size_t e = size_t(t) * P + i;
+        const int q = enc::elem_q(t, i);
+        if (code[e] != 0u) {
+          ssm.mutable_data()[g * kTileElems + h] = enc::sm_byte_of(v[e], ok[e]);
+          ++h;
+        } else {
+          sfb.mutable_data()[g * kTileElems + (q - h)] = v[e];
+        }
+      }
+    }
+    base.mutable_data()[g] = static_cast<uint8_t>(base_exp);
+    hcount.mutable_data()[g] = h;
+  }
+  return py::make_tuple(bitmaps, base, hcount, ssm, sfb);
+}
+
+// Replay of encode_scatter_kernel: streams of S bytes / F elements, zero-initialised.
+py::tuple emulate_encode_scatter(const Arr<int64_t>& hcount, const Arr<int64_t>& offsets, const Arr<uint8_t>& ssm,
+                                 const Arr<uint16_t>& sfb, int64_t S, int64_t F) {
+  const int64_t G = hcount.size();
+  if (offsets.size() != 2 * G || ssm.size() != G * kTileElems || sfb.size() != G * kTileElems)
+    throw std::invalid_argument("scatter arrays do not agree in tile count");
+  py::array_t<uint8_t> sm(S);
+  py::array_t<uint16_t> fb(F);
+  std::memset(sm.mutable_data(), 0, size_t(S));
+  std::memset(fb.mutable_data(), 0, size_t(F) * 2);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hcount.data()[g], osm = offsets.data()[2 * g], ofb = offsets.data()[2 * g + 1];
+    if (osm < 0 || osm + h > S || ofb < 0 || ofb + (kTileElems - h) > F) throw std::out_of_range("scatter out of the streams");
+    std::memcpy(sm.mutable_data() + osm, ssm.data() + g * kTileElems, size_t(h));
+    std::memcpy(fb.mutable_data() + ofb, sfb.data() + g * kTileElems, size_t(kTileElems - h) * 2);
+  }
+  return py::make_tuple(sm, fb);
+}
+
 uint16_t f32_to_bf16(float f) { return f32_to_bf16_bits(f); }
 
 }  // namespace
@@ -360,6 +445,8 @@ PYBIND11_MODULE(_emul, m) {
         py::arg("sm"), py::arg("fb"), py::arg("bias"), py::arg("M"), py::arg("K"), py::arg("tile_n"),
         py::arg("split"), py::arg("perturb") = 0,
         "Fragment-level replay of the fused kernel (+ split-K reduction) -> (y bf16 bits, y fp32)");
+  m.def("emulate_encode_tiles", &emulate_encode_tiles, "Replay of the GPU encoder's per-tile kernel");
+  m.def("emulate_encode_scatter", &emulate_encode_scatter, "Replay of the GPU encoder's scatter kernel");
   m.def("splitk_parts", [](int kt, int split) { return splitk_parts(kt, split); });
   m.def("fused_smem_bytes", [](int tile_n) { return fused_smem_bytes(tile_n); });
   m.def("decompress_smem_bytes", []() { return decompress_smem_bytes(); });

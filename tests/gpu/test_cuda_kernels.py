@@ -34,10 +34,17 @@ _CT = {}
 
 
 def _weight(m, k):
-    """(W on GPU, its CompressedTensor on GPU), encoded by the GPU encoder (checked below)."""
+    """(decompressed W, CompressedTensor), both on the GPU.
+
+    Encoded by the GPU encoder (compared with the CPU encoders below); the GEMM
+    reference is the *decompressed* weight (the decompress kernel is checked
+    bit-exact against the CPU codec below), and the round trip must be exact."""
     if (m, k) not in _CT:
         w = _gauss(m, k, seed=m * 7 + k)
-        _CT[(m, k)] = (w, cuda_ops.compress_tensor_cuda(w))
+        ct = cuda_ops.compress_tensor_cuda(w)
+        wd = cuda_ops.decompress_cuda(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k)
+        assert torch.equal(wd.view(torch.int16), w.view(torch.int16)), f"GPU round trip of {m}x{k} is not exact"
+        _CT[(m, k)] = (wd, ct)
     return _CT[(m, k)]
 
 
