@@ -1,0 +1,121 @@
+"""The real OpenAI-compatible server with ``--quantization zipserv`` answers like the BF16 server.
+
+Two servers on 127.0.0.1 (free ports), started together with
+``python -m zipserv_vllm.serve`` (the CPU wheel's ``vllm`` script is broken,
+vllm-plugin-notes pitfall 2): the stock BF16 checkpoint as is, and the same
+checkpoint with ``--quantization zipserv`` (packed at load). Both are queried
+with the ``openai`` client; every answer must be identical. Servers are
+stopped in the fixture's teardown; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+READY_TIMEOUT = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model, port, log, extra=()):
+    cmd = [sys.executable, "-m", "zipserv_vllm.serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128",
+           "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0", *extra]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+
+
+def _wait_ready(proc, port, logpath):
+    deadline = time.time() + READY_TIMEOUT
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{logpath.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"server on port {port} not ready after {READY_TIMEOUT} s:\n{logpath.read_text()[-4000:]}")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_env, llama_dirs, tmp_path_factory):
+    bf16, _ = llama_dirs
+    logs = tmp_path_factory.mktemp("server")
+    specs = {"base": (bf16, ()), "zipserv": (bf16, ("--quantization", "zipserv"))}
+    procs, ports, files = {}, {}, []
+    try:
+        for name, (model, extra) in specs.items():
+            ports[name] = _free_port()
+            f = open(logs / f"{name}.log", "w")
+            files.append(f)
+            procs[name] = _start(model, ports[name], f, extra)
+        for name in specs:
+            _wait_ready(procs[name], ports[name], logs / f"{name}.log")
+        yield {n: f"http://127.0.0.1:{p}/v1" for n, p in ports.items()}, logs
+    finally:
+        for p in procs.values():
+            _stop(p)
+        for f in files:
+            f.close()
+
+
+def _client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url, api_key="EMPTY", timeout=120, max_retries=0)
+
+
+def _ask(url) -> dict:
+    c = _client(url)
+    models = [m.id for m in c.models.list().data]
+    comp = c.completions.create(model="tiny", prompt=["hello world", "The quick brown fox"], max_tokens=12,
+                                temperature=0.0, logprobs=1, extra_body={"ignore_eos": True})
+    stream = c.completions.create(model="tiny", prompt="def forward(self, x):", max_tokens=12, temperature=0.0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is a tile?"}],
+                                     max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
+    return {
+        "models": models,
+        "texts": [ch.text for ch in sorted(comp.choices, key=lambda ch: ch.index)],
+        "logprobs": [ch.logprobs.token_logprobs for ch in sorted(comp.choices, key=lambda ch: ch.index)],
+        "streamed": streamed,
+        "chat": chat.choices[0].message.content,
+    }
+
+
+def test_server_answers_equal_bf16_server(servers):
+    urls, logs = servers
+    base, zs = _ask(urls["base"]), _ask(urls["zipserv"])
+    assert base["models"] == zs["models"] == ["tiny"]
+    assert all(base["texts"]) and base["streamed"] and base["chat"]
+    assert zs["texts"] == base["texts"]
+    assert zs["logprobs"] == base["logprobs"]
+    assert zs["streamed"] == base["streamed"]
+    assert zs["chat"] == base["chat"]
+    log = (logs / "zipserv.log").read_text()
+    assert "zipserv: 10 layers compressed (10 packed)" in log and "mode exact" in log
