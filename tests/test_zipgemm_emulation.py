@@ -165,3 +165,17 @@ def test_encoder_replay_all_patterns_and_ties():
         e, got = reference.encode(w), _encode_replay(w)
         for name in ("bitmaps", "base", "offsets", "sm", "fb"):
             np.testing.assert_array_equal(getattr(got, name), getattr(e, name), err_msg=name)
+
+
+# ------------------------------------------------------------ pipeline schedule
+def test_pipeline_schedule_has_no_hazard():
+    """The fused kernel's buffer rotation (pipe_* in zipgemm_layout.cuh): every read
+    sees the tile it wants, no buffer is read and written between two barriers."""
+    for nt in range(0, 40):
+        assert _emul.pipeline_check(nt) == [], nt
+
+
+def test_pipeline_check_catches_two_plane_buffers():
+    assert _emul.pipeline_check(1, 2) == []  # one tile: nothing to overlap
+    bad = _emul.pipeline_check(6, 2)  # planes two tiles ahead need three buffers
+    assert bad and any("read while written" in b for b in bad)

@@ -113,18 +113,18 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
     int hb, hc;
 
     if (nt > 0) {
-      issue_bitmaps(bmp(0), a.bitmaps, grow + kb);
+      issue_bitmaps(bmp(pipe_issue_bmp(-2)), a.bitmaps, grow + kb);
       cp_async_commit();
       const int64_t o_sm = a.offsets[2 * (grow + kb)], o_fb = a.offsets[2 * (grow + kb) + 1];
       base_cur = a.base[grow + kb];
       cp_async_wait_all();
       __syncthreads();
-      warp_counts(bmp(0), warp, lane, &hb, &hc);
+      warp_counts(bmp(pipe_counts_bmp(-1)), warp, lane, &hb, &hc);
       seg = warp_segment(o_sm, o_fb, warp, hb, hc);
-      issue_values(st_sm(0), st_fb(0), seg, a.sm, a.fb, lane);
-      F::issue_x(st_x(0), a, col0, kb);
+      issue_values(st_sm(pipe_issue_stage(-1)), st_fb(pipe_issue_stage(-1)), seg, a.sm, a.fb, lane);
+      F::issue_x(st_x(pipe_issue_stage(-1)), a, col0, kb);
       if (nt > 1) {
-        issue_bitmaps(bmp(1), a.bitmaps, grow + kb + 1);
+        issue_bitmaps(bmp(pipe_issue_bmp(-1)), a.bitmaps, grow + kb + 1);
         nx_sm = a.offsets[2 * (grow + kb + 1)];
         nx_fb = a.offsets[2 * (grow + kb + 1) + 1];
         nx_base = a.base[grow + kb + 1];
@@ -138,21 +138,22 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
       const WarpSegment cur = seg;
       const int cur_base = base_cur;
       if (i + 1 < nt) {
-        warp_counts(bmp((i + 1) % kBmpBuffers), warp, lane, &hb, &hc);
+        warp_counts(bmp(pipe_counts_bmp(i)), warp, lane, &hb, &hc);
         seg = warp_segment(nx_sm, nx_fb, warp, hb, hc);
         base_cur = nx_base;
-        issue_values(st_sm((i + 1) & 1), st_fb((i + 1) & 1), seg, a.sm, a.fb, lane);
-        F::issue_x(st_x((i + 1) & 1), a, col0, kb + i + 1);
+        issue_values(st_sm(pipe_issue_stage(i)), st_fb(pipe_issue_stage(i)), seg, a.sm, a.fb, lane);
+        F::issue_x(st_x(pipe_issue_stage(i)), a, col0, kb + i + 1);
       }
       if (i + 2 < nt) {
         const int64_t g = grow + kb + i + 2;
-        issue_bitmaps(bmp((i + 2) % kBmpBuffers), a.bitmaps, g);
+        issue_bitmaps(bmp(pipe_issue_bmp(i)), a.bitmaps, g);
         nx_sm = a.offsets[2 * g];
         nx_fb = a.offsets[2 * g + 1];
         nx_base = a.base[g];
       }
       cp_async_commit();
-      F::compute(acc, bmp(i % kBmpBuffers), st_sm(i & 1), st_fb(i & 1), st_x(i & 1), cur, cur_base, warp, lane, ncols);
+      const int cs = pipe_compute_stage(i);
+      F::compute(acc, bmp(pipe_compute_bmp(i)), st_sm(cs), st_fb(cs), st_x(cs), cur, cur_base, warp, lane, ncols);
     }
 
     // Epilogue: bias + bf16 rounding (split == 1) or fp32 partials.

@@ -39,6 +39,19 @@ constexpr int kBmpBytes = kPlanes * kFragsPerTile * 8;  // 1536 per tile
 constexpr int kBmpBuffers = 3;                          // tiles t, t+1, t+2
 constexpr int kStages = 2;                              // values + X double buffer
 
+// Pipeline schedule of the fused kernel, K tile i of a split part (the
+// prologue is iteration -1: it issues planes of tiles 0 and 1 and values/X of
+// tile 0). Shared with the emulation's hazard check (pipeline_check).
+//   compute(i)     reads planes buffer pipe_compute_bmp(i), stage pipe_compute_stage(i)
+//   counts(i+1)    reads planes buffer pipe_counts_bmp(i)
+//   issue(i+1)     values + X of tile i+1 into stage pipe_issue_stage(i)
+//   issue(i+2)     planes of tile i+2 into buffer pipe_issue_bmp(i)
+ZS_HD int pipe_compute_bmp(int i, int nbmp = kBmpBuffers) { return i % nbmp; }
+ZS_HD int pipe_compute_stage(int i) { return i & 1; }
+ZS_HD int pipe_counts_bmp(int i, int nbmp = kBmpBuffers) { return (i + 1) % nbmp; }
+ZS_HD int pipe_issue_stage(int i) { return (i + 1) & 1; }
+ZS_HD int pipe_issue_bmp(int i, int nbmp = kBmpBuffers) { return (i + 2) % nbmp; }
+
 // Supported columns per block: 8 * NT8 for NT8 in {1, 2, 4, 8, 16}.
 ZS_HD int tile_n_of(int nt8) { return 8 * nt8; }
 

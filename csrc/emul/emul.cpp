@@ -19,6 +19,7 @@
 //  32 swap the C row / column map
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -430,6 +431,63 @@ py::tuple emulate_encode_scatter(const Arr<int64_t>& hcount, const Arr<int64_t>&
   return py::make_tuple(sm, fb);
 }
 
+// Hazard check of the fused kernel's pipeline schedule (pipe_* in
+// zipgemm_layout.cuh) for a split part of nt K tiles. Events happen in
+// program order; "wait_all + __syncthreads" ends an epoch and completes every
+// pending cp.async. Within one epoch the warps are not ordered, so a buffer
+// that is both read and written in an epoch is a race; a read must see the
+// tile it expects, written in an earlier epoch. Returns the violations
+// (empty = the schedule is sound). nbmp overrides the planes buffer count
+// (negative test).
+std::vector<std::string> pipeline_check(int nt, int nbmp) {
+  std::vector<std::string> bad;
+  struct Buf {
+    int tile = -1, pending = -1;        // committed tile, tile in flight
+    bool read = false, written = false; // in the current epoch
+  };
+  std::vector<Buf> bmp(std::max(nbmp, 3)), stage(2);
+  auto end_epoch = [&]() {
+    for (auto* v : {&bmp, &stage})
+      for (auto& b : *v) {
+        if (b.pending >= 0) b.tile = b.pending;
+        b.pending = -1;
+        b.read = b.written = false;
+      }
+  };
+  auto write = [&](std::vector<Buf>& v, int idx, int tile, const std::string& what) {
+    Buf& b = v[idx];
+    if (b.read) bad.push_back(what + ": buffer " + std::to_string(idx) + " written while read in the same epoch");
+    b.pending = tile;
+    b.written = true;
+  };
+  auto read = [&](std::vector<Buf>& v, int idx, int tile, const std::string& what) {
+    Buf& b = v[idx];
+    if (b.written) bad.push_back(what + ": buffer " + std::to_string(idx) + " read while written in the same epoch");
+    if (b.tile != tile)
+      bad.push_back(what + ": buffer " + std::to_string(idx) + " holds tile " + std::to_string(b.tile) + ", wants " +
+                    std::to_string(tile));
+    b.read = true;
+  };
+  if (nt <= 0) return bad;
+  write(bmp, pipe_issue_bmp(-2, nbmp), 0, "prologue planes(0)");
+  end_epoch();
+  read(bmp, pipe_counts_bmp(-1, nbmp), 0, "prologue counts(0)");
+  write(stage, pipe_issue_stage(-1), 0, "prologue values(0)");
+  if (nt > 1) write(bmp, pipe_issue_bmp(-1, nbmp), 1, "prologue planes(1)");
+  for (int i = 0; i < nt; ++i) {
+    end_epoch();
+    const std::string it = " (i=" + std::to_string(i) + ")";
+    if (i + 1 < nt) {
+      read(bmp, pipe_counts_bmp(i, nbmp), i + 1, "counts" + it);
+      write(stage, pipe_issue_stage(i), i + 1, "values/X" + it);
+    }
+    if (i + 2 < nt) write(bmp, pipe_issue_bmp(i, nbmp), i + 2, "planes" + it);
+    read(bmp, pipe_compute_bmp(i, nbmp), i, "compute planes" + it);
+    read(stage, pipe_compute_stage(i), i, "compute stage" + it);
+  }
+  return bad;
+}
+
 uint16_t f32_to_bf16(float f) { return f32_to_bf16_bits(f); }
 
 }  // namespace
@@ -447,6 +505,8 @@ PYBIND11_MODULE(_emul, m) {
         "Fragment-level replay of the fused kernel (+ split-K reduction) -> (y bf16 bits, y fp32)");
   m.def("emulate_encode_tiles", &emulate_encode_tiles, "Replay of the GPU encoder's per-tile kernel");
   m.def("emulate_encode_scatter", &emulate_encode_scatter, "Replay of the GPU encoder's scatter kernel");
+  m.def("pipeline_check", &pipeline_check, py::arg("nt"), py::arg("nbmp") = kBmpBuffers,
+        "Hazards of the fused kernel's buffer schedule for nt K tiles (empty list = sound)");
   m.def("splitk_parts", [](int kt, int split) { return splitk_parts(kt, split); });
   m.def("fused_smem_bytes", [](int tile_n) { return fused_smem_bytes(tile_n); });
   m.def("decompress_smem_bytes", []() { return decompress_smem_bytes(); });
