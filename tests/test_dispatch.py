@@ -25,11 +25,17 @@ def test_large_n_goes_decoupled_small_n_fused():
 
 
 def test_split_k_fills_the_gpu_only_when_m_cannot():
-    # 4096 rows = 64 tile rows < 2 * 132 blocks: split
-    p = dispatch.choose(1, 4096, 4096, 132)
-    assert p.split > 1 and 64 * p.split >= 264 or p.split == 16
-    # 28672 rows = 448 blocks already fill 132 SMs twice: no split
-    assert dispatch.choose(8, 28672, 4096, 132).split == 1
+    t2 = dict(dispatch.BUILTIN, blocks_per_sm=2)
+    # 4096 rows = 64 tile rows < 2 * 132 blocks: split until 264 blocks
+    p = dispatch.choose(1, 4096, 4096, 132, t2)
+    assert p.split == 5 and 64 * p.split >= 264
+    # 28672 rows = 448 blocks already fill 132 SMs twice: no split ...
+    assert dispatch.choose(8, 28672, 4096, 132, t2).split == 1
+    # ... but not four times (the built-in default): split 2
+    assert dispatch.BUILTIN["blocks_per_sm"] == 4
+    assert dispatch.choose(8, 28672, 4096, 132).split == 2
+    # max_split caps it
+    assert dispatch.choose(1, 64, 4096, 132).split == 16
     # a small K cannot be split below min_k_tiles_per_split tiles per part
     assert dispatch.choose(1, 64, 128, 132).split == 1
     assert dispatch.choose(1, 64, 256, 132).split == 2

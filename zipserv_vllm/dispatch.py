@@ -13,7 +13,7 @@ Table format::
     {
       "gpu": "...", "source": "how the numbers were obtained",
       "fused_max_n": 128,          # N above this -> decoupled (decompress + cuBLAS)
-      "blocks_per_sm": 2,          # split-K aims at sm_count * blocks_per_sm blocks
+      "blocks_per_sm": 4,          # split-K aims at sm_count * blocks_per_sm blocks
       "max_split": 16, "min_k_tiles_per_split": 2,
       "shapes": [                  # optional measured rules for exact (M, K)
         {"m": 4096, "k": 4096, "rules": [{"n_max": 16, "path": "fused", "split": 4}, ...]}
@@ -41,7 +41,7 @@ BUILTIN = {
     "gpu": "unknown",
     "source": "built-in default (paper: fused for decode-sized N <= 128, untuned)",
     "fused_max_n": 128,
-    "blocks_per_sm": 2,
+    "blocks_per_sm": 4,
     "max_split": 16,
     "min_k_tiles_per_split": 2,
     "shapes": [],
