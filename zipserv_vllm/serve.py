@@ -39,3 +39,58 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------- helpers
+# Used by zipserv_vllm.demo and examples/serve_and_query.py: run the server as a
+# child process, wait for it with a bounded timeout, stop it.
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model, port: int, extra=(), log=None, env=None):
+    """Start ``python -m zipserv_vllm.serve MODEL`` on 127.0.0.1:``port`` (a Popen, own session)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "zipserv_vllm.serve", str(model), "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=env or dict(os.environ), start_new_session=True)
+
+
+def wait_ready(proc, port: int, timeout: float = 300.0) -> None:
+    """Poll ``/health`` until it answers 200; raise if the server exits or the timeout passes."""
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server on port {port} was not ready after {timeout:.0f} s")
+
+
+def stop_server(proc, timeout: float = 30.0) -> None:
+    """SIGINT the server's process group, then SIGKILL it if it does not exit in time."""
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -1,0 +1,170 @@
+"""Resident weight memory inside vLLM: zipserv (pre-compressed, pack at load) vs BF16.
+
+MEASURED, not computed: every variant is loaded by a real vLLM engine (CPU
+backend, in-process, eager) in a fresh subprocess, which then reports
+
+* ``weight_bytes``: the bytes of every distinct parameter/buffer storage of the
+  loaded model plus every zipserv arena page (``zipserv_vllm.vllm_plugin.memory.
+  weight_memory`` through ``LLM.apply_model``);
+* ``rss_after_load`` / ``peak_rss``: the process's VmRSS after the engine is up,
+  and VmHWM (peak) over the whole run, from /proc/self/status;
+* the greedy tokens of a short batch, so the variants can be checked to agree
+  (exact mode).
+
+Models: the tests' tiny Llama, and a Llama-shaped model of about 1.1 B
+parameters (hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192,
+vocab 32000, untied) with N(0, 0.02^2) weights, built with the shared tiny-model
+builder and compressed once with ``zipserv compress`` (the checkpoint module).
+
+    python benchmarks/bench_memory.py                  # tiny + 1b
+    python benchmarks/bench_memory.py --sizes tiny     # quick
+
+Writes benchmarks/results/bench_memory.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_layers=2, num_heads=4, num_kv_heads=2,
+                 vocab_size=2048, std=0.08),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+               vocab_size=32000, std=0.02, max_position_embeddings=512),
+}
+VARIANTS = ("bf16", "precompressed", "pack_at_load")
+PROMPTS = ["hello world", "The quick brown fox", "def forward(self, x):", "memory bandwidth is the"]
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def child(model: str, quantization: str | None) -> dict:
+    """Runs in the subprocess: load, measure, generate, report."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("ZIPSERV_MODE", "exact")
+    from vllm import LLM, SamplingParams
+
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+
+    rss_before = _status("VmRSS")
+    t0 = time.perf_counter()
+    kw = {"quantization": quantization} if quantization else {}
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=32 << 20,
+              seed=0, disable_log_stats=True, **kw)
+    load_s = time.perf_counter() - t0
+    mem = llm.apply_model(weight_memory)[0]
+    rss_after = _status("VmRSS")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return {
+        "weight_bytes": mem["total_bytes"], "param_and_buffer_bytes": mem["param_and_buffer_bytes"],
+        "arena_bytes": mem["arena_bytes"], "arena_pages": mem["arena_pages"],
+        "layers_compressed": mem["layers_compressed"], "load_paths": mem["load_paths"],
+        "compressed_bf16_bytes": mem["compressed_bf16_bytes"],
+        "rss_before_engine": rss_before, "rss_after_load": rss_after, "peak_rss": _status("VmHWM"),
+        "engine_start_s": round(load_s, 2),
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    }
+
+
+def _prepare(size: str, workdir: Path) -> tuple[Path, Path, dict]:
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.tiny_model import build_tiny_model
+
+    bf16, zs = workdir / f"{size}-bf16", workdir / f"{size}-zs"
+    info = {}
+    if not (bf16 / "config.json").exists():
+        t = time.perf_counter()
+        build_tiny_model(bf16, "llama", **SIZES[size])
+        info["build_s"] = round(time.perf_counter() - t, 1)
+    if not (zs / "config.json").exists():
+        t = time.perf_counter()
+        compress_checkpoint(bf16, zs, progress=False, overwrite=True)
+        info["compress_s"] = round(time.perf_counter() - t, 1)
+    info["checkpoint_bytes"] = {"bf16": sum(f.stat().st_size for f in bf16.glob("*.safetensors")),
+                                "zipserv": sum(f.stat().st_size for f in zs.glob("*.safetensors"))}
+    return bf16, zs, info
+
+
+def _run_child(model: Path, quantization: str | None, timeout: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(model)] + (["--quantization", quantization] if quantization else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child for {model} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("BENCH_JSON "):])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="tiny,1b")
+    ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_memory.json"))
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("BENCH_JSON " + json.dumps(child(args.child, args.quantization)), flush=True)
+        return 0
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = {"benchmark": "bench_memory", "host": os.uname().nodename, "cpus": os.cpu_count(),
+               "mode": "exact", "models": {}}
+    try:
+        import vllm.version as vv
+
+        results["vllm"] = vv.__version__
+    except Exception:
+        pass
+    for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+        bf16, zs, info = _prepare(size, workdir)
+        runs = {
+            "bf16": _run_child(bf16, None, args.timeout),
+            "precompressed": _run_child(zs, None, args.timeout),
+            "pack_at_load": _run_child(bf16, "zipserv", args.timeout),
+        }
+        base = runs["bf16"]
+        for name in ("precompressed", "pack_at_load"):
+            r = runs[name]
+            r["weight_ratio_vs_bf16"] = round(base["weight_bytes"] / r["weight_bytes"], 4)
+            r["weight_bytes_saved"] = base["weight_bytes"] - r["weight_bytes"]
+            r["rss_after_load_saved"] = base["rss_after_load"] - r["rss_after_load"]
+            r["tokens_equal_bf16"] = r["tokens"] == base["tokens"]
+        n_params = base["param_and_buffer_bytes"] // 2  # BF16 storage / 2 bytes (buffers included)
+        results["models"][size] = {"config": SIZES[size], "approx_params": n_params, **info, "runs": runs}
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+    print(f"{'model':6} {'variant':14} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'RSS MiB':>9} "
+          f"{'peak RSS MiB':>13} {'start s':>8} {'tokens=':>7}")
+    for size, m in results["models"].items():
+        for name in VARIANTS:
+            r = m["runs"][name]
+            print(f"{size:6} {name:14} {_mib(r['weight_bytes']):>12} {r.get('weight_ratio_vs_bf16', 1.0):>7.3f} "
+                  f"{_mib(r['arena_bytes']):>10} {_mib(r['rss_after_load']):>9} {_mib(r['peak_rss']):>13} "
+                  f"{r['engine_start_s']:>8} {str(r.get('tokens_equal_bf16', '-')):>7}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
