@@ -24,7 +24,9 @@
 #include <mutex>
 #include <limits>
 #include <new>
+#include <exception>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,11 +85,29 @@ void parallel_chunks(int64_t n, int n_chunks, const std::function<void(int, int6
     fn(0, 0, n);
     return;
   }
+  // An exception must not escape a std::thread (that would terminate the
+  // interpreter): each chunk's is kept and the first rethrown after the join.
+  std::vector<std::exception_ptr> errors(n_chunks);
+  auto run = [&](int i) {
+    try {
+      fn(i, bounds(i), bounds(i + 1));
+    } catch (...) {
+      errors[i] = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(n_chunks - 1);
-  for (int i = 1; i < n_chunks; ++i) pool.emplace_back(fn, i, bounds(i), bounds(i + 1));
-  fn(0, bounds(0), bounds(1));
+  int started = 1;
+  try {
+    for (; started < n_chunks; ++started) pool.emplace_back(run, started);
+  } catch (const std::system_error&) {
+    // could not start more threads: the calling thread does the rest
+  }
+  run(0);
+  for (int i = started; i < n_chunks; ++i) run(i);
   for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 // Tiles are staged a block at a time: the block's 64 matrix rows are read (or
@@ -180,7 +200,7 @@ struct Block {
 
 constexpr size_t kBigBlock = size_t{2} << 20;  // below this: plain malloc, no pool
 constexpr size_t kPoolSlots = 8;
-constexpr size_t kPoolBytes = size_t{2} << 30;  // capacity the pool may keep
+constexpr size_t kPoolBytes = size_t{512} << 20;  // capacity the pool may keep
 
 std::mutex g_pool_mu;
 std::vector<Block> g_pool;
@@ -264,6 +284,7 @@ class Buffer {
   T* as() const {
     return static_cast<T*>(b_.data);
   }
+  size_t capacity() const { return b_.cap; }
   // A NumPy array of the given shape over the block; the array owns it now.
   template <typename T>
   py::array_t<T> to_array(std::vector<py::ssize_t> shape) {
@@ -287,6 +308,21 @@ class Buffer {
   Block b_;
   bool owned_;
 };
+
+// The first n elements of a worst-case-sized stream buffer as a NumPy array.
+// When most of the buffer went unused (e.g. the fallback stream of ordinary
+// weights, ~2% of its worst case) the elements move to an exact-size block,
+// so that a kept array does not pin huge pages it does not need.
+template <typename T>
+py::array_t<T> stream_array(Buffer& buf, int64_t n) {
+  const size_t used = static_cast<size_t>(n) * sizeof(T);
+  if (buf.capacity() >= kBigBlock && 2 * used < buf.capacity()) {
+    Buffer exact(used);
+    std::memcpy(exact.as<T>(), buf.as<T>(), used);
+    return exact.to_array<T>({n});
+  }
+  return buf.to_array<T>({n});
+}
 
 py::array_t<uint16_t> empty_bits(int64_t m, int64_t k) {
   if (m < 1 || k < 1) throw py::value_error("empty_bits: shape must be positive, got [" + std::to_string(m) + ", " +
@@ -379,8 +415,8 @@ py::tuple encode(const py::array& bits, int threads) {
     }
   }
   py::array_t<uint64_t> bitmaps = bitmaps_buf.to_array<uint64_t>({mt, kt, kPlanes, kFragsPerTile});
-  py::array_t<uint8_t> sm_arr = sm_buf.to_array<uint8_t>({sm_total});
-  py::array_t<uint16_t> fb_arr = fb_buf.to_array<uint16_t>({fb_total});
+  py::array_t<uint8_t> sm_arr = stream_array<uint8_t>(sm_buf, sm_total);
+  py::array_t<uint16_t> fb_arr = stream_array<uint16_t>(fb_buf, fb_total);
   return py::make_tuple(bitmaps, base, offsets, sm_arr, fb_arr);
 }
 

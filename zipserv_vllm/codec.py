@@ -106,6 +106,8 @@ def decompress_tensor(ct: CompressedTensor, *, backend: str = "auto", threads: i
         out = reference.decode(reference.Encoded(m, k, bitmaps, base, offsets, sm, fb))
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     ct.validate()
-    out = torch.empty((m, k), dtype=torch.bfloat16)
-    _C.decode(bitmaps, base, offsets, sm, fb, out.view(torch.int16).numpy().view(np.uint16), threads or default_threads())
-    return out
+    # _C.empty_bits recycles huge-page memory: a fresh torch.empty would take a
+    # page fault per 4 KiB on first write, costing more than the decode itself.
+    out = _C.empty_bits(m, k)
+    _C.decode(bitmaps, base, offsets, sm, fb, out, threads or default_threads())
+    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)

@@ -467,12 +467,45 @@ inline void decode_tile(Isa isa, const TileSrc& t, uint16_t* out, ptrdiff_t ld) 
   decode_tile_scalar(t, out, ld);
 }
 
+#if ZS_HAVE_AVX2_PATH
+namespace detail {
+// Popcount of the 64 indicators, 4 at a time (nibble lookup + byte sums).
+ZS_TARGET_AVX2 inline int tile_high_count_avx2(const uint64_t* planes) {
+  const __m256i lut = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
+                                       0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i acc = _mm256_setzero_si256();
+  for (int f = 0; f < kFragsPerTile; f += 4) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(planes + f);
+    __m256i x = _mm256_or_si256(_mm256_loadu_si256(p),
+                                _mm256_or_si256(_mm256_loadu_si256(p + kFragsPerTile / 4),
+                                                _mm256_loadu_si256(p + kFragsPerTile / 2)));
+    __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(lut, _mm256_and_si256(x, low4)),
+                                _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(x, 4), low4)));
+    acc = _mm256_add_epi64(acc, _mm256_sad_epu8(c, _mm256_setzero_si256()));
+  }
+  __m128i t = _mm_add_epi64(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  return static_cast<int>(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1));
+}
+}  // namespace detail
+#endif
+
+// tile_high_count with the popcount instruction when isa allows it.
+inline int tile_high_count(Isa isa, const uint64_t* planes) {
+#if ZS_HAVE_AVX2_PATH
+  if (isa == Isa::kAvx2) return detail::tile_high_count_avx2(planes);
+#endif
+  (void)isa;
+  return tile_high_count(planes);
+}
+
 // Check a tile's segment offsets against its streams (FORMAT.md section 5).
 // Returns nullptr when valid, else a static description of the problem.
 inline const char* check_tile_offsets(const uint64_t* planes, int base, int64_t off_sm, int64_t off_fb,
-                                      int64_t sm_len, int64_t fb_len, int* h_out = nullptr) {
+                                      int64_t sm_len, int64_t fb_len, int* h_out = nullptr,
+                                      Isa isa = Isa::kScalar) {
   if (base > kMaxWindowStart - 1) return "base exponent out of range (> 248)";
-  const int h = tile_high_count(planes);
+  const int h = tile_high_count(isa, planes);
   if (h_out) *h_out = h;
   const int64_t hp = sm_segment_len(h), fp = fb_segment_len(h);
   if (off_sm % kSmAlign != 0) return "sign-mantissa offset not a multiple of 16";
@@ -490,7 +523,7 @@ inline const char* decode_tile_checked(Isa isa, const uint64_t* planes, int base
                                        int64_t sm_len, int64_t off_sm, const uint16_t* fb_stream,
                                        int64_t fb_len, int64_t off_fb, uint16_t* out, ptrdiff_t ld) {
   int h = 0;
-  if (const char* err = check_tile_offsets(planes, base, off_sm, off_fb, sm_len, fb_len, &h)) return err;
+  if (const char* err = check_tile_offsets(planes, base, off_sm, off_fb, sm_len, fb_len, &h, isa)) return err;
   TileSrc t{planes, base, sm_stream + off_sm, fb_stream + off_fb};
   if (isa != Isa::kScalar && off_sm + h + kSmReadSlack > sm_len) {
     alignas(32) uint8_t copy[kTileElems + kSmReadSlack];
