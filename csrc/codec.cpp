@@ -5,10 +5,10 @@
 //
 // Encode: each thread encodes a contiguous range of tiles (in row-major tile
 // order) into its own region of one worst-case-sized buffer per stream, with
-// offsets relative to its region; the regions are then slid down into place
-// (the first needs no move) and offsets rebased: segments end up in increasing
-// tile order with no gaps, byte-identical to the reference encoder for any
-// thread count. The buffers become the returned NumPy arrays without a copy.
+// offsets relative to its region; the regions are then gathered in parallel
+// into exact-size streams and the offsets rebased (one thread: the buffer is
+// the stream, no copy). Segments end up in increasing tile order with no gaps,
+// byte-identical to the reference encoder for any thread count.
 //
 // Decode: validates dtypes, shapes and contiguity up front, and each tile's
 // base and offsets right before decoding it (so corrupt input is never read
@@ -23,6 +23,7 @@
 #include <functional>
 #include <mutex>
 #include <limits>
+#include <memory>
 #include <new>
 #include <exception>
 #include <stdexcept>
@@ -364,6 +365,7 @@ py::tuple encode(const py::array& bits, int threads) {
   auto sm_region = [&](int c) { return first_tile[c] * kTileElems + int64_t{c} * kSmWriteSlack; };
   auto fb_region = [&](int c) { return first_tile[c] * kTileElems + int64_t{c} * kFbWriteSlack; };
   int64_t sm_total = 0, fb_total = 0;
+  std::unique_ptr<Buffer> sm_final, fb_final;  // exact-size streams (several chunks)
   {
     py::gil_scoped_release nogil;
     parallel_chunks(g_count, n_chunks, [&](int c, int64_t g0, int64_t g1) {
@@ -398,25 +400,33 @@ py::tuple encode(const py::array& bits, int threads) {
       sm_used[c] = so;
       fb_used[c] = fo;
     });
-    // Slide each chunk's segments down behind the previous ones (chunk order,
-    // so a region is moved before it is overwritten) and rebase offsets.
+    std::vector<int64_t> sm_start(n_chunks), fb_start(n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
-      if (c > 0) {
-        std::memmove(sm + sm_total, sm + sm_region(c), static_cast<size_t>(sm_used[c]));
-        std::memmove(fb + fb_total, fb + fb_region(c),
-                     static_cast<size_t>(fb_used[c]) * sizeof(uint16_t));
-        for (int64_t g = first_tile[c]; g < first_tile[c + 1]; ++g) {
-          op[2 * g] += sm_total;
-          op[2 * g + 1] += fb_total;
-        }
-      }
+      sm_start[c] = sm_total;
+      fb_start[c] = fb_total;
       sm_total += sm_used[c];
       fb_total += fb_used[c];
     }
+    if (n_chunks > 1) {
+      // Gather the chunks' segments, in parallel, into exact-size streams in
+      // chunk (= tile) order, and rebase the offsets.
+      sm_final = std::make_unique<Buffer>(static_cast<size_t>(sm_total));
+      fb_final = std::make_unique<Buffer>(static_cast<size_t>(fb_total) * sizeof(uint16_t));
+      uint8_t* smf = sm_final->as<uint8_t>();
+      uint16_t* fbf = fb_final->as<uint16_t>();
+      parallel_chunks(n_chunks, n_chunks, [&](int c, int64_t, int64_t) {
+        std::memcpy(smf + sm_start[c], sm + sm_region(c), static_cast<size_t>(sm_used[c]));
+        std::memcpy(fbf + fb_start[c], fb + fb_region(c), static_cast<size_t>(fb_used[c]) * sizeof(uint16_t));
+        for (int64_t g = first_tile[c]; g < first_tile[c + 1]; ++g) {
+          op[2 * g] += sm_start[c];
+          op[2 * g + 1] += fb_start[c];
+        }
+      });
+    }
   }
   py::array_t<uint64_t> bitmaps = bitmaps_buf.to_array<uint64_t>({mt, kt, kPlanes, kFragsPerTile});
-  py::array_t<uint8_t> sm_arr = stream_array<uint8_t>(sm_buf, sm_total);
-  py::array_t<uint16_t> fb_arr = stream_array<uint16_t>(fb_buf, fb_total);
+  py::array_t<uint8_t> sm_arr = sm_final ? sm_final->to_array<uint8_t>({sm_total}) : stream_array<uint8_t>(sm_buf, sm_total);
+  py::array_t<uint16_t> fb_arr = fb_final ? fb_final->to_array<uint16_t>({fb_total}) : stream_array<uint16_t>(fb_buf, fb_total);
   return py::make_tuple(bitmaps, base, offsets, sm_arr, fb_arr);
 }
 
