@@ -29,9 +29,13 @@ else:
     _REASON = ""
 
 # Largest number of tokens (rows of x) for which ops.gemm(mode="fast") uses the
-# fused kernel; above it, decode + torch's BF16 GEMM. Measured by
-# benchmarks/bench_cpu_gemm.py (see docs/CPU.md); ZIPSERV_CPU_FUSED_MAX_N overrides.
-FUSED_MAX_N_DEFAULT = 64
+# fused kernel; above it, decode + torch's BF16 GEMM. benchmarks/bench_cpu_gemm.py
+# measures both sides (docs/CPU.md): on the AVX2 development machine (no native
+# BF16 GEMM hardware) the fused kernel wins at every N measured, up to 512, so
+# the threshold is the largest N measured. ZIPSERV_CPU_FUSED_MAX_N overrides it
+# (e.g. lower it on CPUs with AMX / AVX512-BF16, where torch's BF16 GEMM is fast
+# at large N; that crossover has not been measured).
+FUSED_MAX_N_DEFAULT = 512
 
 _isa_override: str | None = None
 _threads_override: int | None = None
@@ -78,6 +82,29 @@ def fused_max_n() -> int:
     """Token count up to which the fused kernel is used (dispatch threshold)."""
     env = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
     return int(env) if env else FUSED_MAX_N_DEFAULT
+
+
+def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> tuple[bool, str]:
+    """Whether ops.gemm(mode="fast") runs the fused kernel for this call, and why (not)."""
+    if _cpu_gemm is None:
+        return False, _REASON
+    if x.device.type != "cpu":
+        return False, f"x is on {x.device}, not the CPU"
+    if x.dtype != torch.bfloat16:
+        return False, f"x is {x.dtype}; the fused kernel takes bfloat16"
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,)):
+        return False, f"bias is {bias.dtype} {list(bias.shape)} on {bias.device}; the fused kernel takes bfloat16 [{m}] on the CPU"
+    n = x.numel() // max(1, x.shape[-1])
+    if n < 1:
+        return False, "x has no rows"
+    limit = fused_max_n()
+    if n > limit:
+        return False, f"{n} tokens > fused_max_n() = {limit}: decode + F.linear"
+    return True, f"fused kernel ({(_isa_override or _cpu_gemm.isas()[0])}, {n} tokens <= {limit})"
+
+
+def use_fused(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
+    return dispatch(x, bias, m)[0]
 
 
 def _arrays(ct: CompressedTensor):

@@ -5,7 +5,9 @@
   computes ``F.linear(x, W, bias)``. ``mode="exact"`` decodes W and runs the
   same GEMM as the BF16 path (bit-identical to it); ``mode="fast"`` may use a
   fused kernel (CPU: csrc/cpu_gemm, CUDA: csrc/cuda) whose summation order
-  differs.
+  differs. On the CPU, "fast" takes the fused kernel when
+  ``cpu_kernels.dispatch()`` says so (extension built, bf16 x, at most
+  ``cpu_kernels.fused_max_n()`` tokens) and decode + F.linear otherwise.
 
 The default implementation below serves CPU tensors; device-specific kernels
 register themselves with ``gemm.register_kernel(...)`` /
@@ -44,6 +46,13 @@ def _(bitmaps, base, offsets, sm, fb, m, k):
 def gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
          sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, bias: torch.Tensor | None,
          mode: str) -> torch.Tensor:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "fast" and x.device.type == "cpu":
+        from . import cpu_kernels
+
+        if cpu_kernels.use_fused(x, bias, m):
+            return cpu_kernels.fused_gemm(x, bitmaps, base, offsets, sm, fb, m, k, bias)
     w = decompress(bitmaps, base, offsets, sm, fb, m, k)
     return F.linear(x, w, bias)
 

@@ -9,6 +9,10 @@
 
 #include "zipserv/cpu_gemm.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>  // SSE: part of every x86-64 CPU
+#endif
+
 namespace zipserv {
 namespace cpu {
 namespace {
@@ -43,7 +47,18 @@ struct Scratch {
 
 thread_local Scratch scratch;
 
+// IEEE semantics (no FTZ/DAZ) whatever the caller set, as in the SIMD kernels:
+// libm's fma may run on the hardware FMA unit, which obeys MXCSR.
+struct CsrGuard {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned saved;
+  CsrGuard() : saved(_mm_getcsr()) { _mm_setcsr(0x1F80); }
+  ~CsrGuard() { _mm_setcsr(saved); }
+#endif
+};
+
 void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
+  CsrGuard csr;
   const Matrix& w = job.w;
   const int64_t n = job.n;
   Scratch& s = scratch;
