@@ -264,7 +264,7 @@ inline int base_from_hist_range(const uint32_t* hist, int emin, int emax) {
 // Bins counted with vector compares around the expected window; the rare
 // exponents outside them are counted one by one, so the histogram is exact
 // whatever the guess (a wrong guess only costs time).
-constexpr int kVecBins = 12;
+constexpr int kVecBins = 10;
 
 // Encode a full 64 x 64 block (row stride ld). base >= 0: use it; base < 0:
 // choose it (hint: a likely base, e.g. the previous tile's, or -1).
@@ -288,7 +288,7 @@ ZS_TARGET_AVX2 inline int encode_block_avx2(const uint16_t* src, ptrdiff_t ld, i
       for (int c = 0; c < kTile; ++c) mx = std::max(mx, (src[c] >> 7) & 0xFF);
       guess = mx - kWindow;
     }
-    lo = std::min(std::max(guess - 3, 0), 256 - kVecBins);
+    lo = std::min(std::max(guess - 1, 0), 256 - kVecBins);
     for (int j = 0; j < kVecBins; ++j) acc[j] = _mm256_setzero_si256();
   }
   const __m256i vlo = _mm256_set1_epi8(static_cast<char>(lo)), vtop = _mm256_set1_epi8(kVecBins - 1);
