@@ -208,8 +208,8 @@ def main(argv=None) -> int:
     def row(label, r):
         extra = ""
         if "encode_GBps_cpu_time" in r:
-            extra = f"   ({r['encode_GBps_cpu_time']:.2f} / {r['decode_GBps_cpu_time']:.2f})"
-        print(f"{label:<44} {r['encode_GBps']:>8.2f} {r['decode_GBps']:>8.2f}{extra}")
+            extra = f"   ({r['encode_GBps_cpu_time']:.3g} / {r['decode_GBps_cpu_time']:.3g})"
+        print(f"{label:<44} {r['encode_GBps']:>8.3g} {r['decode_GBps']:>8.3g}{extra}")
 
     row(f"native {result['machine']['isa']}, 1 thread, 4096x4096", speed["native_1_thread"])
     row(f"native {result['machine']['isa']}, {threads_all} threads, 4096x4096", speed["native_all_threads"])

@@ -352,3 +352,54 @@ def test_real_trained_weights_round_trip():
             assert_same_as_reference(bits, arrays, reference.encode(bits), name)
             checked_ref += 1
     assert checked_ref == 2
+
+
+# --------------------------------------------------------------------------- portable build
+PORTABLE_CHECK = r"""
+#include "zipserv/tile_codec.h"
+#include <cstdio>
+#include <random>
+#include <vector>
+using namespace zipserv;
+int main() {
+  static_assert(!ZS_HAVE_AVX2_PATH, "ZS_NO_SIMD must disable the AVX2 path");
+  std::mt19937 rng(3);
+  long bad = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    int rows = 1 + rng() % 64, cols = 1 + rng() % 64;
+    std::vector<uint16_t> src(64 * 100);
+    for (auto& x : src) x = (trial % 2) ? rng() : ((0x3C00 + rng() % 0x400) ^ ((rng() & 1) << 15));
+    uint64_t planes[192];
+    uint8_t base;
+    std::vector<uint8_t> sm(4096 + kSmWriteSlack);
+    std::vector<uint16_t> fb(4096 + kFbWriteSlack);
+    int h = encode_tile(best_isa(), src.data(), 100, rows, cols, planes, &base, sm.data(), fb.data());
+    uint16_t out[4096];
+    if (decode_tile_checked(best_isa(), planes, base, sm.data(), sm_segment_len(h), 0, fb.data(),
+                            fb_segment_len(h), 0, out, 64)) return 2;
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) bad += out[r * 64 + c] != src[r * 100 + c];
+  }
+  std::printf("%ld\n", bad);
+  return bad != 0;
+}
+"""
+
+
+def test_header_builds_and_round_trips_without_simd(tmp_path):
+    """tile_codec.h with ZS_NO_SIMD (the portable path other architectures get), -Wall -Wextra -Werror."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src, exe = tmp_path / "portable.cpp", tmp_path / "portable"
+    src.write_text(PORTABLE_CHECK)
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-DZS_NO_SIMD",
+                            "-I", os.path.join(root, "csrc", "include"), str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "0", (run.returncode, run.stdout, run.stderr)

@@ -31,7 +31,8 @@
 
 #include "zipserv/format.h"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+// ZS_NO_SIMD=1 builds the portable path only (what other architectures get).
+#if !defined(ZS_NO_SIMD) && (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define ZS_HAVE_AVX2_PATH 1
 #include <immintrin.h>
 #define ZS_TARGET_AVX2 __attribute__((target("avx2,bmi,bmi2,popcnt")))
