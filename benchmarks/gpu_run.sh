@@ -36,6 +36,11 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed"
 "$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import numpy
+    print("numpy", numpy.__version__, "(zipserv needs >= 2.0)")
+except ImportError:
+    print("numpy MISSING (zipserv needs numpy >= 2.0)")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, "cc", f"{p.major}.{p.minor}", "sms", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30))
