@@ -26,6 +26,17 @@ def qwen2_runs(vllm_env, qwen2_dirs):
             "pack": run_engine(bf16, chat=False, quantization="zipserv")}
 
 
+@pytest.fixture(scope="module")
+def llama_fast(vllm_env, llama_dirs, llama_runs):
+    import os
+
+    os.environ["ZIPSERV_MODE"] = "fast"
+    try:
+        return run_engine(llama_dirs[0], chat=False, quantization="zipserv")
+    finally:
+        os.environ["ZIPSERV_MODE"] = "exact"
+
+
 def _same(a, b):
     assert a["tokens"] == b["tokens"]
     assert a["logprobs"] == b["logprobs"]  # exact float equality: bit-identical logits
@@ -60,3 +71,13 @@ def test_qwen2_biases_tied_embeddings_non_tile_shapes(qwen2_runs, way):
     mem = qwen2_runs[way]["memory"]
     # tied lm_head shares the embedding's arena data: 2 x 4 linear + 1 embedding
     assert mem["layers_compressed"] == 9 and mem["layers_bf16"] == 0
+
+
+def test_fast_mode_runs_through_zipserv_gemm(llama_fast, llama_runs):
+    """Fast mode goes through zipserv::gemm (fused kernels may sum in another order), so
+    only closeness is required: same lengths, and the first greedy token of most prompts."""
+    base = llama_runs["base"]
+    assert [len(t) for t in llama_fast["tokens"]] == [len(t) for t in base["tokens"]]
+    same_first = sum(a[0] == b[0] for a, b in zip(llama_fast["tokens"], base["tokens"]))
+    assert same_first >= len(PROMPTS) - 2
+    assert llama_fast["memory"]["load_paths"] == {"packed": 10}
