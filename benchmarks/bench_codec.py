@@ -64,6 +64,17 @@ def coverage(ct) -> float:
     return (int(high_counts(ct.bitmaps).sum()) - padding) / (m * k)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def timed(fn, reps: int) -> tuple[float, float]:
     """Median wall seconds and median process CPU seconds of fn() over reps calls."""
     wall, cpu = [], []
@@ -164,7 +175,7 @@ def main(argv=None) -> int:
     threads_all = codec.default_threads()
     load_before = os.getloadavg()
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                     "usable_threads": threads_all, "isa": _C.get_isa(), "loadavg_before": load_before},
         "size": bench_size(),
     }
