@@ -28,18 +28,17 @@ struct Fused {
   // swizzled tile; rows >= N and columns >= K are zero.
   static __device__ __forceinline__ void issue_x(uint16_t* sx, const GemmArgs& a, int col0, int kt) {
     for (int c = threadIdx.x; c < TN * 8; c += kThreads) {
-      const int r = c >> 3, ch = c & 7;
-      const int n = col0 + r, k0 = kt * kTile + ch * 8;
-      uint16_t* dst = sx + x_smem_index(r, ch * 8);
-      if (a.x_vec && k0 + 8 <= a.K) {
-        const bool ok = n < a.N;
-        const uint16_t* src = ok ? a.x + static_cast<int64_t>(n) * a.K + k0 : a.x;
-        cp_async16(dst, src, ok ? 16 : 0);
+      const XChunk xc = x_chunk(c, col0, kt, a.N, a.K, a.x_vec != 0);
+      const int n = xc.n, k0 = xc.k0;
+      uint16_t* dst = sx + xc.dst;
+      if (xc.vec) {
+        const uint16_t* src = xc.n_ok ? a.x + static_cast<int64_t>(n) * a.K + k0 : a.x;
+        cp_async16(dst, src, xc.n_ok ? 16 : 0);
       } else {
         uint16_t v[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-          v[e] = (n < a.N && k0 + e < a.K) ? a.x[static_cast<int64_t>(n) * a.K + k0 + e] : uint16_t{0};
+          v[e] = (xc.n_ok && k0 + e < a.K) ? a.x[static_cast<int64_t>(n) * a.K + k0 + e] : uint16_t{0};
         uint4 pk;
         pk.x = v[0] | (uint32_t{v[1]} << 16);
         pk.y = v[2] | (uint32_t{v[3]} << 16);

@@ -126,6 +126,25 @@ ZS_HD WarpSegment warp_segment(int64_t off_sm, int64_t off_fb, int warp, int hb,
 // fragment loads of 8 rows hit 32 distinct banks. Index in bf16 elements.
 ZS_HD int x_smem_index(int n, int k) { return n * kTile + (((k >> 3) ^ (n & 7)) << 3) + (k & 7); }
 
+// X staging, chunk c (0 .. 8 tile_n - 1) of K tile kt for a block starting at
+// column col0: it holds X[n][k0 .. k0 + 7] (zero where n >= N or k >= K) at
+// shared index dst .. dst + 7. `vec`: the 16-byte cp.async path is allowed
+// (whole chunk inside K and X 16-byte aligned with K % 8 == 0).
+struct XChunk {
+  int n, k0, dst;
+  bool n_ok, vec;
+};
+ZS_HD XChunk x_chunk(int c, int col0, int kt, int N, int K, bool x_vec) {
+  XChunk x;
+  const int r = c >> 3, ch = c & 7;
+  x.n = col0 + r;
+  x.k0 = kt * kTile + ch * 8;
+  x.dst = x_smem_index(r, ch * 8);
+  x.n_ok = x.n < N;
+  x.vec = x_vec && x.k0 + 8 <= K;
+  return x;
+}
+
 // B fragment (k16 x n8, "col"): lane l, register r (b0, b1), half e holds
 // k = 2 (l % 4) + e + 8 r of column n = l / 4.
 ZS_HD int b_frag_k(int lane, int r, int e) { return 2 * (lane % 4) + e + 8 * r; }

@@ -248,6 +248,7 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
     bias = bias_arr.data();
   }
   const uint16_t* X = x.data();
+  const bool x_vec = K % 8 == 0;  // numpy rows are 16-byte aligned whenever K % 8 == 0 (array base aligned)
   std::vector<float> ws(static_cast<size_t>(parts) * N * M, std::nanf(""));
   py::array_t<uint16_t> y({N, M});
   py::array_t<float> yf({N, M});
@@ -267,12 +268,16 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
         for (int kt = kb; kt < ke; ++kt) {
           const int64_t g = int64_t{tm} * c.Kt + kt;
           const uint64_t* bmp = c.bitmaps + g * kPlanes * kFragsPerTile;
-          // issue_x: rows >= N and columns >= K zero-filled, swizzled store.
-          for (int r = 0; r < tile_n; ++r)
-            for (int k = 0; k < kTile; ++k) {
-              const int n = col0 + r, kk = kt * kTile + k;
-              sx[x_smem_index(r, k)] = (n < N && kk < K) ? X[int64_t{n} * K + kk] : uint16_t{0};
-            }
+          // issue_x, chunk by chunk (both the cp.async and the element-wise path
+          // of the kernel store the same 8 elements; the cp.async path must only
+          // be taken for chunks wholly inside K).
+          for (auto& v : sx) v = static_cast<uint16_t>(rng());
+          for (int ci = 0; ci < tile_n * 8; ++ci) {
+            const XChunk xc = x_chunk(ci, col0, kt, N, K, x_vec);
+            if (xc.vec && xc.k0 + 8 > K) throw std::logic_error("cp.async chunk crosses K");
+            for (int e = 0; e < 8; ++e)
+              sx[xc.dst + e] = (xc.n_ok && xc.k0 + e < K) ? X[int64_t{xc.n} * K + xc.k0 + e] : uint16_t{0};
+          }
           for (int warp = 0; warp < kWarps; ++warp) stage_warp(st[warp], c, g, warp, rng);
           for (int warp = 0; warp < kWarps; ++warp) {
             const WarpSegment& seg = st[warp].seg;
