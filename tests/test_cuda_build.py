@@ -77,3 +77,21 @@ def test_extension_links_cudart_only():
     if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" and not Path("/dev/nvidia0").exists():
         with pytest.raises(RuntimeError, match="zipserv CUDA prepare"):
             cu.prepare()  # no GPU here: a clear error, not a crash
+
+
+def test_lane_decode_is_branch_free(tmp_path):
+    """decode_lane_pair compiles to straight-line PTX: selects, no data-dependent branch."""
+    src = tmp_path / "lane.cu"
+    src.write_text(
+        '#include "zipserv/decode_lane.h"\n'
+        "__global__ void k(const uint64_t* p, const uint8_t* sm, const uint16_t* fb, const int* hb, uint32_t* out) {\n"
+        "  const int t = threadIdx.x;\n"
+        "  out[t] = zipserv::decode_lane_pair(p[3 * t], p[3 * t + 1], p[3 * t + 2], hb[t] & 255, sm, fb, hb[t], hb[t + 1], t & 31);\n"
+        "}\n")
+    ptx = tmp_path / "lane.ptx"
+    r = subprocess.run([NVCC, "-std=c++17", "-O3", f"-I{nvb.INCLUDE_DIR}", "-arch=sm_80", "-ptx", str(src), "-o", str(ptx)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    body = ptx.read_text()
+    assert "popc.b64" in body and "selp" in body
+    assert " bra" not in body and "\tbra" not in body, "decode_lane_pair has a branch"
