@@ -66,10 +66,11 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
                                 : _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5,
                                                    6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7);
-    const __m256i c = _mm256_or_si256(
-        _mm256_or_si256(_mm256_and_si256(plane_mask(b0, shuf), _mm256_set1_epi8(1)),
-                        _mm256_and_si256(plane_mask(b1, shuf), _mm256_set1_epi8(2))),
-        _mm256_and_si256(plane_mask(b2, shuf), _mm256_set1_epi8(4)));
+    // code = 4 [plane 2] + 1 [plane 0] + 2 [plane 1] from the 0 / -1 masks.
+    const __m256i m1 = plane_mask(b1, shuf);
+    const __m256i c = _mm256_sub_epi8(_mm256_sub_epi8(_mm256_and_si256(plane_mask(b2, shuf), _mm256_set1_epi8(4)),
+                                                      plane_mask(b0, shuf)),
+                                      _mm256_add_epi8(m1, m1));
     // Inclusive prefix sum (per 16-element lane) of -1 at fallbacks: a high
     // element at i has i + x[i] high elements before it in its lane.
     const __m256i z = _mm256_cmpeq_epi8(c, zero);
