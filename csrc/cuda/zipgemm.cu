@@ -1,178 +1,27 @@
-// Fused ZipGEMM: Y[N, M] = X[N, K] . W[M, K]^T (+ bias) with W in TCA-TBE v1
-// (docs/FORMAT.md), decoded lane by lane straight into mma.m16n8k16 A
-// fragments. Design, lane maps and the shared-memory map: docs/ZIPGEMM.md.
-//
-// Block = 4 warps over one 64-row tile row of W (warp w = medium tile w) and
-// TN = 8 * NT8 columns of X; grid = (ceil(N / TN), Mt, split parts).
-// Pipeline per K tile i (one barrier per tile):
-//   wait(all) + barrier -> counts of tile i+1 from its bit-planes (already in
-//   shared memory) -> cp.async values + X of tile i+1, bit-planes of tile
-//   i+2 -> decode + MMA of tile i.
-// Bit-planes run one tile ahead of values because the values' addresses are
-// derived from them (popcounts), so three bit-plane buffers are kept.
+// Host side of the fused ZipGEMM: picks the instance for tile_n (the kernels
+// are compiled one per file, zipgemm_n*.cu, from zipgemm_kernel.cuh), launches
+// the split-K reduction, sets the kernel attributes once per device.
 #include "device_common.cuh"
 #include "launch.h"
 
 namespace zipserv {
 namespace cuda {
+// Entry points of the fused instances (zipgemm_n*.cu).
+namespace fused {
+#define ZIPSERV_FUSED_DECL(NT8)                           \
+  int launch_nt8_##NT8(const GemmArgs& a, cudaStream_t st); \
+  int set_attr_nt8_##NT8();
+ZIPSERV_FUSED_DECL(1)
+ZIPSERV_FUSED_DECL(2)
+ZIPSERV_FUSED_DECL(4)
+ZIPSERV_FUSED_DECL(8)
+ZIPSERV_FUSED_DECL(16)
+#undef ZIPSERV_FUSED_DECL
+}  // namespace fused
+
 namespace {
 
 using namespace zipserv::gemm;
-using namespace zipserv::dev;
-
-template <int NT8>
-struct Fused {
-  static constexpr int TN = 8 * NT8;
-
-  // X rows col0 .. col0 + TN - 1, K columns 64 kt .. 64 kt + 63, into the
-  // swizzled tile; rows >= N and columns >= K are zero.
-  static __device__ __forceinline__ void issue_x(uint16_t* sx, const GemmArgs& a, int col0, int kt) {
-    for (int c = threadIdx.x; c < TN * 8; c += kThreads) {
-      const XChunk xc = x_chunk(c, col0, kt, a.N, a.K, a.x_vec != 0);
-      const int n = xc.n, k0 = xc.k0;
-      uint16_t* dst = sx + xc.dst;
-      if (xc.vec) {
-        const uint16_t* src = xc.n_ok ? a.x + static_cast<int64_t>(n) * a.K + k0 : a.x;
-        cp_async16(dst, src, xc.n_ok ? 16 : 0);
-      } else {
-        uint16_t v[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          v[e] = (xc.n_ok && k0 + e < a.K) ? a.x[static_cast<int64_t>(n) * a.K + k0 + e] : uint16_t{0};
-        uint4 pk;
-        pk.x = v[0] | (uint32_t{v[1]} << 16);
-        pk.y = v[2] | (uint32_t{v[3]} << 16);
-        pk.z = v[4] | (uint32_t{v[5]} << 16);
-        pk.w = v[6] | (uint32_t{v[7]} << 16);
-        *reinterpret_cast<uint4*>(dst) = pk;
-      }
-    }
-  }
-
-  // Decode + MMA of one K tile from shared memory.
-  static __device__ __forceinline__ void compute(float (&acc)[NT8][4], const uint64_t* bmp, const uint8_t* ssm,
-                                                 const uint16_t* sfb, const uint16_t* sx, const WarpSegment& seg,
-                                                 int base_exp, int warp, int lane, int ncols) {
-    int hrun = 0;  // high-frequency elements of the warp's earlier FTs
-#pragma unroll
-    for (int kg = 0; kg < 4; ++kg) {
-      uint32_t af[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int f = a_frag_ft(warp, kg, j);
-        const uint64_t p0 = bmp[f], p1 = bmp[kFragsPerTile + f], p2 = bmp[2 * kFragsPerTile + f];
-        const int fpos = (kg * 4 + j) * kFragElems;  // elements of the warp's earlier FTs
-        af[j] = decode_lane_pair(p0, p1, p2, base_exp, ssm, sfb, seg.sm_local + hrun,
-                                 seg.fb_local + fpos - hrun, lane);
-        hrun += popc64(indicator(p0, p1, p2));
-      }
-#pragma unroll
-      for (int t = 0; t < NT8; ++t) {
-        if (t * 8 < ncols) {  // uniform: skip n8 groups wholly beyond N
-          const int n = t * 8 + b_frag_n(lane);
-          const int k = kg * 16 + b_frag_k(lane, 0, 0);
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + x_smem_index(n, k));
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + x_smem_index(n, k + 8));
-          mma_bf16_16816(acc[t], af, b0, b1);
-        }
-      }
-    }
-  }
-
-};
-
-template <int NT8>
-__global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
-    using F = Fused<NT8>;
-    constexpr int TN = F::TN;
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int col0 = blockIdx.x * TN, tm = blockIdx.y, part = blockIdx.z;
-    const int kt_total = (a.K + kTile - 1) / kTile;
-    int kb, ke;
-    splitk_range(kt_total, a.split, part, &kb, &ke);
-    const int nt = ke > kb ? ke - kb : 0;
-    const int64_t grow = static_cast<int64_t>(tm) * kt_total;
-    const int ncols = a.N - col0;
-
-    auto bmp = [&](int buf) { return reinterpret_cast<uint64_t*>(smem + smem_bmp(buf)); };
-    auto stage = [&](int s) { return smem + smem_stage(TN, s); };
-    auto st_sm = [&](int s) { return stage(s) + stage_sm(warp); };
-    auto st_fb = [&](int s) { return reinterpret_cast<uint16_t*>(stage(s) + stage_fb(warp)); };
-    auto st_x = [&](int s) { return reinterpret_cast<uint16_t*>(stage(s) + stage_x(TN)); };
-
-    float acc[NT8][4];
-#pragma unroll
-    for (int t = 0; t < NT8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-
-    WarpSegment seg{};  // of the tile whose values are in flight / staged
-    int base_cur = 0;
-    int64_t nx_sm = 0, nx_fb = 0;  // segment starts of the tile whose bit-planes are in flight
-    int nx_base = 0;
-    int hb, hc;
-
-    if (nt > 0) {
-      issue_bitmaps(bmp(pipe_issue_bmp(-2)), a.bitmaps, grow + kb);
-      cp_async_commit();
-      const int64_t o_sm = a.offsets[2 * (grow + kb)], o_fb = a.offsets[2 * (grow + kb) + 1];
-      base_cur = a.base[grow + kb];
-      cp_async_wait_all();
-      __syncthreads();
-      warp_counts(bmp(pipe_counts_bmp(-1)), warp, lane, &hb, &hc);
-      seg = warp_segment(o_sm, o_fb, warp, hb, hc);
-      issue_values(st_sm(pipe_issue_stage(-1)), st_fb(pipe_issue_stage(-1)), seg, a.sm, a.fb, lane);
-      F::issue_x(st_x(pipe_issue_stage(-1)), a, col0, kb);
-      if (nt > 1) {
-        issue_bitmaps(bmp(pipe_issue_bmp(-1)), a.bitmaps, grow + kb + 1);
-        nx_sm = a.offsets[2 * (grow + kb + 1)];
-        nx_fb = a.offsets[2 * (grow + kb + 1) + 1];
-        nx_base = a.base[grow + kb + 1];
-      }
-      cp_async_commit();
-    }
-
-    for (int i = 0; i < nt; ++i) {
-      cp_async_wait_all();
-      __syncthreads();
-      const WarpSegment cur = seg;
-      const int cur_base = base_cur;
-      if (i + 1 < nt) {
-        warp_counts(bmp(pipe_counts_bmp(i)), warp, lane, &hb, &hc);
-        seg = warp_segment(nx_sm, nx_fb, warp, hb, hc);
-        base_cur = nx_base;
-        issue_values(st_sm(pipe_issue_stage(i)), st_fb(pipe_issue_stage(i)), seg, a.sm, a.fb, lane);
-        F::issue_x(st_x(pipe_issue_stage(i)), a, col0, kb + i + 1);
-      }
-      if (i + 2 < nt) {
-        const int64_t g = grow + kb + i + 2;
-        issue_bitmaps(bmp(pipe_issue_bmp(i)), a.bitmaps, g);
-        nx_sm = a.offsets[2 * g];
-        nx_fb = a.offsets[2 * g + 1];
-        nx_base = a.base[g];
-      }
-      cp_async_commit();
-      const int cs = pipe_compute_stage(i);
-      F::compute(acc, bmp(pipe_compute_bmp(i)), st_sm(cs), st_fb(cs), st_x(cs), cur, cur_base, warp, lane, ncols);
-    }
-
-    // Epilogue: bias + bf16 rounding (split == 1) or fp32 partials.
-    const int m_base = tm * kTile + warp * kMedRows;
-#pragma unroll
-    for (int t = 0; t < NT8; ++t) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = m_base + c_frag_m(lane, r);
-        const int n = col0 + t * 8 + c_frag_n(lane, r);
-        if (m < a.M && n < a.N) {
-          if (a.split == 1) {
-            a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));
-          } else {
-            a.ws[ws_index(part, n, m, a.N, a.M)] = acc[t][r];
-          }
-        }
-      }
-    }
-}
 
 // Sums the split parts in order, adds the bias, rounds once to bf16. Any M, N.
 __global__ void __launch_bounds__(256) splitk_reduce(const float* ws, const uint16_t* bias, uint16_t* y,
@@ -183,20 +32,6 @@ __global__ void __launch_bounds__(256) splitk_reduce(const float* ws, const uint
   }
 }
 
-template <int NT8>
-int launch(const GemmArgs& a, cudaStream_t st) {
-  constexpr int TN = 8 * NT8;
-  const dim3 grid((a.N + TN - 1) / TN, (a.M + kTile - 1) / kTile, a.split);
-  fused_kernel<NT8><<<grid, kThreads, fused_smem_bytes(TN), st>>>(a);
-  return static_cast<int>(cudaGetLastError());
-}
-
-template <int NT8>
-int set_attr() {
-  return static_cast<int>(cudaFuncSetAttribute(fused_kernel<NT8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               fused_smem_bytes(8 * NT8)));
-}
-
 }  // namespace
 
 int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
@@ -205,11 +40,11 @@ int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
   if (a.split > 1 && a.ws == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   int err;
   switch (tile_n) {
-    case 8: err = launch<1>(a, st); break;
-    case 16: err = launch<2>(a, st); break;
-    case 32: err = launch<4>(a, st); break;
-    case 64: err = launch<8>(a, st); break;
-    case 128: err = launch<16>(a, st); break;
+    case 8: err = fused::launch_nt8_1(a, st); break;
+    case 16: err = fused::launch_nt8_2(a, st); break;
+    case 32: err = fused::launch_nt8_4(a, st); break;
+    case 64: err = fused::launch_nt8_8(a, st); break;
+    case 128: err = fused::launch_nt8_16(a, st); break;
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
   if (err != 0 || a.split == 1) return err;
@@ -221,11 +56,11 @@ int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
 }
 
 int prepare_current_device() {
-  int err = set_attr<1>();
-  if (!err) err = set_attr<2>();
-  if (!err) err = set_attr<4>();
-  if (!err) err = set_attr<8>();
-  if (!err) err = set_attr<16>();
+  int err = fused::set_attr_nt8_1();
+  if (!err) err = fused::set_attr_nt8_2();
+  if (!err) err = fused::set_attr_nt8_4();
+  if (!err) err = fused::set_attr_nt8_8();
+  if (!err) err = fused::set_attr_nt8_16();
   return err;
 }
 
