@@ -190,7 +190,11 @@ def decompress_cuda(bitmaps, base, offsets, sm, fb, m: int, k: int) -> torch.Ten
 
 def fused_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int, bias, tile_n: int,
                split: int) -> torch.Tensor:
-    """The fused kernel with an explicit configuration: Y[N, m] for x2 [N, k]."""
+    """The fused kernel with an explicit configuration: Y[N, m] for x2 [N, k] (bf16, contiguous)."""
+    _need()
+    prepare(x2.device)  # the kernel attributes (a set lookup after the first call)
+    if x2.dim() != 2 or x2.shape[1] != k or x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+        raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [N, {k}], got {x2.dtype} {list(x2.shape)}")
     n = x2.shape[0]
     kt = -(-k // spec.TILE)
     parts = _cuda.splitk_parts(kt, max(1, min(split, kt)))
