@@ -192,6 +192,12 @@ def fused_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int,
                split: int) -> torch.Tensor:
     """The fused kernel with an explicit configuration: Y[N, m] for x2 [N, k] (bf16, contiguous)."""
     _need()
+    _check(x2, bitmaps, base, offsets, sm, fb, m, k)
+    with torch.cuda.device(x2.device):
+        return _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split)
+
+
+def _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split):
     prepare(x2.device)  # the kernel attributes (a set lookup after the first call)
     if x2.dim() != 2 or x2.shape[1] != k or x2.dtype != torch.bfloat16 or not x2.is_contiguous():
         raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [N, {k}], got {x2.dtype} {list(x2.shape)}")
@@ -216,6 +222,13 @@ def fused_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int,
 
 def decoupled_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int, bias) -> torch.Tensor:
     """Decompress into the per-device weight workspace, then cuBLAS (F.linear)."""
+    _need()
+    _check(x2, bitmaps, base, offsets, sm, fb, m, k)
+    with torch.cuda.device(x2.device):
+        return _decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
+
+
+def _decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias):
     buf = _workspace(x2.device, "weight", m * k, torch.bfloat16)
     w = buf[: m * k].view(m, k)
     _decompress_into(w.view(torch.int16), bitmaps, base, offsets, sm, fb, m, k)
@@ -239,9 +252,9 @@ def gemm_cuda(x, bitmaps, base, offsets, sm, fb, m: int, k: int, bias, mode: str
             return x.new_empty((*x.shape[:-1], m))
         p = plan(n, m, k, x.device)
         if p.path == "decoupled":
-            y = decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
+            y = _decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
         else:
-            y = fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, p.tile_n, p.split)
+            y = _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, p.tile_n, p.split)
         return y.view(*x.shape[:-1], m)
 
 
