@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 if [ "${1:-}" = "--prepare" ]; then
-  "$PY" -m pip download -q --only-binary=:all: --no-deps -d .gpu-wheels pytest pluggy iniconfig packaging
+  "$PY" -m pip download -q --only-binary=:all: --no-deps -d .gpu-wheels pytest pluggy iniconfig packaging pygments exceptiongroup tomli
   ls .gpu-wheels
   exit 0
 fi
