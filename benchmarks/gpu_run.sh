@@ -70,7 +70,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TEST_RC=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   log "2. tests"
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs -x -p no:cacheprovider tests/gpu tests/test_lane_decode.py \
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs --maxfail=20 -p no:cacheprovider tests/gpu tests/test_lane_decode.py \
       tests/test_zipgemm_emulation.py --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.txt" 2>&1
   TEST_RC=$?
   tail -25 "$OUT/pytest-gpu.txt" | tee -a "$LOG"

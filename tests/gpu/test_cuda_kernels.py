@@ -112,21 +112,6 @@ def _args(ct):
     return ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1]
 
 
-@pytest.mark.parametrize("name,m,k", all_shapes())
-def test_zipgemm_layer_shapes_all_n(name, m, k):
-    w, ct = _weight(m, k)
-    bias = (torch.randn(m, device=DEV) * 0.1).to(torch.bfloat16)
-    for n in NS:
-        x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
-        tn = dispatch.tile_n_for(n)
-        for split in (1, 4):
-            for b in (None, bias):
-                y = cuda_ops.fused_gemm(x, *_args(ct), b, tn, split)
-                _assert_gemm_close(y, x, w, b)
-        y = zipserv_vllm.linear(x, ct, bias)  # dispatched (fused or decoupled)
-        _assert_gemm_close(y, x, w, bias)
-
-
 @pytest.mark.parametrize("shape", [(64, 64), (100, 130), (129, 257), (200, 72), (65, 577), (4100, 4104)])
 @pytest.mark.parametrize("n", [1, 3, 9, 17, 33, 130])
 def test_zipgemm_awkward_shapes(shape, n):
@@ -208,3 +193,19 @@ def test_capture_without_reserved_workspace_raises_clearly():
     with pytest.raises(RuntimeError, match="reserve_workspaces"):
         with torch.cuda.graph(g):
             zipserv_vllm.linear(x, ct)
+
+
+# ------------------------------------------ layer shapes (the long sweep, last)
+@pytest.mark.parametrize("name,m,k", all_shapes())
+def test_zipgemm_layer_shapes_all_n(name, m, k):
+    w, ct = _weight(m, k)
+    bias = (torch.randn(m, device=DEV) * 0.1).to(torch.bfloat16)
+    for n in NS:
+        x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+        tn = dispatch.tile_n_for(n)
+        for split in (1, 4):
+            for b in (None, bias):
+                y = cuda_ops.fused_gemm(x, *_args(ct), b, tn, split)
+                _assert_gemm_close(y, x, w, b)
+        y = zipserv_vllm.linear(x, ct, bias)  # dispatched (fused or decoupled)
+        _assert_gemm_close(y, x, w, bias)
