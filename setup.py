@@ -39,6 +39,7 @@ if glob.glob("csrc/emul/*.cpp"):
         Pybind11Extension(
             "zipserv_vllm._emul", sorted(glob.glob("csrc/emul/*.cpp")),
             include_dirs=["csrc/include", "csrc/cuda"], cxx_std=17,
+            depends=sorted(glob.glob("csrc/cuda/*.cuh") + glob.glob("csrc/include/zipserv/*.h")),
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
         )
     )
@@ -77,7 +78,6 @@ if glob.glob("csrc/cuda/*.cu") and not os.environ.get("ZIPSERV_NO_CUDA"):
 only = {x.strip() for x in os.environ.get("ZIPSERV_BUILD_ONLY", "").split(",") if x.strip()}
 if only:
     extensions = [e for e in extensions if e.name.rsplit(".", 1)[1] in only]
-
 
 
 class BuildExt(build_ext):
