@@ -159,6 +159,8 @@ void require(const py::array& a, const char* name, char kind, int itemsize, int 
     const char* want = kind == 'u' ? (itemsize == 1 ? "uint8" : itemsize == 2 ? "uint16" : "uint64") : "int64";
     throw py::value_error(std::string(name) + " must be " + want + ", got " + dtype_str(a));
   }
+  if (a.dtype().byteorder() == '>')
+    throw py::value_error(std::string(name) + " must be little-endian, got " + dtype_str(a));
   if (a.ndim() != ndim)
     throw py::value_error(std::string(name) + " must be " + std::to_string(ndim) + "-D, got " +
                           std::to_string(a.ndim()) + "-D");

@@ -217,6 +217,8 @@ def _args(arrays, **repl):
 def test_encode_rejects_bad_input():
     with pytest.raises(ValueError, match="bits must be uint16, got int16"):
         _C.encode(np.zeros((4, 4), np.int16), 1)
+    with pytest.raises(ValueError, match="bits must be little-endian"):
+        _C.encode(np.zeros((4, 4), ">u2"), 1)
     with pytest.raises(ValueError, match="bits must be 2-D"):
         _C.encode(np.zeros(16, np.uint16), 1)
     with pytest.raises(ValueError, match="C-contiguous"):
