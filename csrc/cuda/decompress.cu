@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
   for (int i = 0; i < kFtPerMed; ++i) {
     const int f = warp * kFtPerMed + i;
     const uint64_t p0 = bmp[f], p1 = bmp[kFragsPerTile + f], p2 = bmp[2 * kFragsPerTile + f];
-    const uint32_t v = decode_lane_pair(p0, p1, p2, base_exp, st_sm[warp], st_fb[warp], seg.sm_local + hrun,
-                                        seg.fb_local + i * kFragElems - hrun, lane);
+    const uint32_t v = decode_lane_pair(p0, p1, p2, base_exp, st_sm[warp], st_fb[warp], ft_sm_before(seg, hrun),
+                                        ft_fb_before(seg, i, hrun), lane);
     hrun += popc64(indicator(p0, p1, p2));
     *reinterpret_cast<uint32_t*>(tile + out_tile_index(frag_row0(f) + lane / 4, frag_col0(f) + 2 * (lane % 4))) = v;
   }

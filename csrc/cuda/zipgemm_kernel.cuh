@@ -66,18 +66,15 @@ struct Fused {
       for (int j = 0; j < 4; ++j) {
         const int f = a_frag_ft(warp, kg, j);
         const uint64_t p0 = bmp[f], p1 = bmp[kFragsPerTile + f], p2 = bmp[2 * kFragsPerTile + f];
-        const int fpos = (kg * 4 + j) * kFragElems;  // elements of the warp's earlier FTs
-        af[j] = decode_lane_pair(p0, p1, p2, base_exp, ssm, sfb, seg.sm_local + hrun,
-                                 seg.fb_local + fpos - hrun, lane);
+        af[j] = decode_lane_pair(p0, p1, p2, base_exp, ssm, sfb, ft_sm_before(seg, hrun),
+                                 ft_fb_before(seg, kg * 4 + j, hrun), lane);
         hrun += popc64(indicator(p0, p1, p2));
       }
 #pragma unroll
       for (int t = 0; t < NT8; ++t) {
         if (t * 8 < ncols) {  // uniform: skip n8 groups wholly beyond N
-          const int n = t * 8 + b_frag_n(lane);
-          const int k = kg * 16 + b_frag_k(lane, 0, 0);
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + x_smem_index(n, k));
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + x_smem_index(n, k + 8));
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 0));
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 1));
           mma_bf16_16816(acc[t], af, b0, b1);
         }
       }
@@ -161,13 +158,12 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
     }
 
     // Epilogue: bias + bf16 rounding (split == 1) or fp32 partials.
-    const int m_base = tm * kTile + warp * kMedRows;
 #pragma unroll
     for (int t = 0; t < NT8; ++t) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int m = m_base + c_frag_m(lane, r);
-        const int n = col0 + t * 8 + c_frag_n(lane, r);
+        const int m = c_out_m(tm, warp, lane, r);
+        const int n = c_out_n(col0, t, lane, r);
         if (m < a.M && n < a.N) {
           if (a.split == 1) {
             a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));

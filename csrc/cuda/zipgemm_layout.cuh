@@ -120,6 +120,12 @@ ZS_HD WarpSegment warp_segment(int64_t off_sm, int64_t off_fb, int warp, int hb,
   return s;
 }
 
+// decode_lane_pair's h_before / f_before for the warp's i-th FT (0..15, in
+// the kernel's order f = 16 w + i), hrun = high-frequency elements of FTs
+// 16 w .. 16 w + i - 1.
+ZS_HD int ft_sm_before(const WarpSegment& s, int hrun) { return s.sm_local + hrun; }
+ZS_HD int ft_fb_before(const WarpSegment& s, int i, int hrun) { return s.fb_local + i * kFragElems - hrun; }
+
 // ---------------------------------------------------------------- B side
 // X tile in shared memory: row n (0..tile_n-1) holds k = 0..63 of token n;
 // 16-byte chunk c of row n is stored at chunk c ^ (n % 8), so the 32-bit
@@ -149,11 +155,18 @@ ZS_HD XChunk x_chunk(int c, int col0, int kt, int N, int K, bool x_vec) {
 // k = 2 (l % 4) + e + 8 r of column n = l / 4.
 ZS_HD int b_frag_k(int lane, int r, int e) { return 2 * (lane % 4) + e + 8 * r; }
 ZS_HD int b_frag_n(int lane) { return lane / 4; }
+// Shared-memory index of the 32-bit pair of B register r, n8 group t, K slice kg.
+ZS_HD int b_frag_smem(int t, int kg, int lane, int r) {
+  return x_smem_index(t * 8 + b_frag_n(lane), kg * 16 + b_frag_k(lane, r, 0));
+}
 
 // C fragment (m16 x n8, fp32): lane l, register r (c0..c3) holds row
 // l / 4 + 8 (r / 2) (a W row in the medium tile) and column 2 (l % 4) + r % 2.
 ZS_HD int c_frag_m(int lane, int r) { return lane / 4 + 8 * (r / 2); }
 ZS_HD int c_frag_n(int lane, int r) { return 2 * (lane % 4) + (r % 2); }
+// Output row (W row) and column (token) of C register r of n8 group t.
+ZS_HD int c_out_m(int tm, int warp, int lane, int r) { return tm * kTile + warp * kMedRows + c_frag_m(lane, r); }
+ZS_HD int c_out_n(int col0, int t, int lane, int r) { return col0 + t * 8 + c_frag_n(lane, r); }
 
 // ---------------------------------------------------------------- split-K
 // K tiles per split part and the number of non-empty parts.

@@ -208,7 +208,7 @@ py::array_t<uint16_t> emulate_decompress(const Arr<uint64_t>& bitmaps, const Arr
         const uint64_t p0 = bmp[f], p1 = bmp[64 + f], p2 = bmp[128 + f];
         for (int lane = 0; lane < 32; ++lane) {
           const uint32_t v = decode_lane_pair(p0, p1, p2, c.base[g], st.sm.data(), st.fb.data(),
-                                              st.seg.sm_local + hrun, st.seg.fb_local + i * kFragElems - hrun, lane);
+                                              ft_sm_before(st.seg, hrun), ft_fb_before(st.seg, i, hrun), lane);
           const int idx = out_tile_index(frag_row0(f) + lane / 4, frag_col0(f) + 2 * (lane % 4));
           tile[idx] = static_cast<uint16_t>(v);
           tile[idx + 1] = static_cast<uint16_t>(v >> 16);
@@ -252,6 +252,8 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
   std::vector<float> ws(static_cast<size_t>(parts) * N * M, std::nanf(""));
   py::array_t<uint16_t> y({N, M});
   py::array_t<float> yf({N, M});
+  std::fill(y.mutable_data(), y.mutable_data() + size_t(N) * M, uint16_t{0x7FC1});  // unwritten = NaN
+  std::fill(yf.mutable_data(), yf.mutable_data() + size_t(N) * M, std::nanf(""));
   std::mt19937 rng(7);
   std::vector<uint16_t> sx(static_cast<size_t>(tile_n) * kTile);
   std::vector<WarpStage> st(kWarps);
@@ -295,12 +297,12 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
                 for (int ff = warp * kFtPerMed; ff < f; ++ff)
                   hr += popc64(indicator(bmp[ff], bmp[64 + ff], bmp[128 + ff]));
                 if (!(perturb & 2) && hr != hrun) throw std::logic_error("running count disagrees");
-                const int fpos = (f - warp * kFtPerMed) * kFragElems;
+                const int i_ft = f - warp * kFtPerMed;
                 for (int lane = 0; lane < 32; ++lane) {
                   const int dl = (perturb & 1) ? lane ^ 1 : lane;
                   af[lane][j] = decode_lane_pair(p0, p1, p2, c.base[g], st[warp].sm.data(), st[warp].fb.data(),
-                                                 seg.sm_local + hr, seg.fb_local + fpos - hr + ((perturb & 8) ? 1 : 0),
-                                                 dl);
+                                                 ft_sm_before(seg, hr),
+                                                 ft_fb_before(seg, i_ft, hr) + ((perturb & 8) ? 1 : 0), dl);
                 }
                 if (!(perturb & 2)) hrun += popc64(indicator(p0, p1, p2));
               }
@@ -311,7 +313,7 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
                   const int n = t * 8 + b_frag_n(lane);
                   const int k = kg * 16 + b_frag_k(lane, 0, 0);
                   for (int r = 0; r < 2; ++r) {
-                    const int idx = (perturb & 4) ? n * kTile + k + 8 * r : x_smem_index(n, k + 8 * r);
+                    const int idx = (perturb & 4) ? n * kTile + k + 8 * r : b_frag_smem(t, kg, lane, r);
                     bf[lane][r] = sx[idx] | (uint32_t{sx[idx + 1]} << 16);  // one 32-bit LDS
                   }
                 }
@@ -326,10 +328,11 @@ py::tuple emulate_zipgemm(const Arr<uint16_t>& x, const Arr<uint64_t>& bitmaps, 
           for (int t = 0; t < nt8; ++t)
             for (int lane = 0; lane < 32; ++lane)
               for (int r = 0; r < 4; ++r) {
-                int mi = c_frag_m(lane, r), ni = c_frag_n(lane, r);
-                if (perturb & 32) std::swap(mi, ni);
-                const int m = tm * kTile + warp * kMedRows + mi;
-                const int n = col0 + t * 8 + ni;
+                int m = c_out_m(tm, warp, lane, r), n = c_out_n(col0, t, lane, r);
+                if (perturb & 32) {  // rows and columns of the C fragment swapped
+                  m = tm * kTile + warp * kMedRows + c_frag_n(lane, r);
+                  n = col0 + t * 8 + c_frag_m(lane, r);
+                }
                 const float v = acc[(((size_t)warp * nt8 + t) * 32 + lane) * 4 + r];
                 if (m < M && n < N) {
                   if (parts == 1) {
