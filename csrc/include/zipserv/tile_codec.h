@@ -22,6 +22,12 @@
 // decode_tile_checked(), which validates the offsets against the stream lengths
 // and copies a tile lacking that slack into a local buffer, when the tile may be
 // the last one of its stream or the input is untrusted.
+//
+// One FT (8 x 8): ft_stream_starts(planes, f, &s0, &f0) gives where its values
+// start inside the tile's segments, then decode_ft(isa, planes[f],
+// planes[64 + f], planes[128 + f], base, t.sm + s0, t.fb + f0, out, ld).
+// Encoding: encode_tile() (any corner size; it writes the padding itself).
+// An Isa argument must be one this CPU runs (best_isa(), or Isa::kScalar).
 #pragma once
 
 #include <algorithm>
