@@ -281,3 +281,15 @@ def test_linear_dispatch(monkeypatch):
     assert "bfloat16" in cpu_kernels.dispatch(x.float(), None, 96)[1]
     with pytest.raises(ValueError, match="mode"):
         zipserv_vllm.linear(x, ct, bias, mode="fastest")
+
+
+def test_eager_bypass_equals_op_and_traces():
+    """linear() calls the fused kernel directly in eager mode; the op gives the same bits and traces."""
+    w = _weight(64, 128, seed=81)
+    ct = compress_tensor(w)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(82)).bfloat16()
+    eager = zipserv_vllm.linear(x, ct, mode="fast")
+    via_op = torch.ops.zipserv.gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 64, 128, None, "fast")
+    assert torch.equal(_bits(eager), _bits(via_op))
+    traced = torch.compile(lambda t: zipserv_vllm.linear(t, ct, mode="fast"), backend="eager", fullgraph=True)
+    assert torch.equal(_bits(traced(x)), _bits(eager))

@@ -81,30 +81,44 @@ def set_threads(threads: int | None) -> None:
 def fused_max_n() -> int:
     """Token count up to which the fused kernel is used (dispatch threshold)."""
     env = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
-    return int(env) if env else FUSED_MAX_N_DEFAULT
+    if not env:
+        return FUSED_MAX_N_DEFAULT
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"ZIPSERV_CPU_FUSED_MAX_N must be an integer, got {env!r}") from None
+
+
+def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:
+    """None when ops.gemm(mode="fast") runs the fused kernel for this call, else the reason."""
+    if _cpu_gemm is None:
+        return _REASON
+    if x.device.type != "cpu":
+        return f"x is on {x.device}, not the CPU"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}; the fused kernel takes bfloat16"
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,)):
+        return f"bias is {bias.dtype} {list(bias.shape)} on {bias.device}; the fused kernel takes bfloat16 [{m}] on the CPU"
+    n = x.numel() // max(1, x.shape[-1])
+    if n < 1:
+        return "x has no rows"
+    limit = fused_max_n()
+    if n > limit:
+        return f"{n} tokens > fused_max_n() = {limit}: decode + F.linear"
+    return None
 
 
 def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> tuple[bool, str]:
     """Whether ops.gemm(mode="fast") runs the fused kernel for this call, and why (not)."""
-    if _cpu_gemm is None:
-        return False, _REASON
-    if x.device.type != "cpu":
-        return False, f"x is on {x.device}, not the CPU"
-    if x.dtype != torch.bfloat16:
-        return False, f"x is {x.dtype}; the fused kernel takes bfloat16"
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,)):
-        return False, f"bias is {bias.dtype} {list(bias.shape)} on {bias.device}; the fused kernel takes bfloat16 [{m}] on the CPU"
-    n = x.numel() // max(1, x.shape[-1])
-    if n < 1:
-        return False, "x has no rows"
-    limit = fused_max_n()
-    if n > limit:
-        return False, f"{n} tokens > fused_max_n() = {limit}: decode + F.linear"
-    return True, f"fused kernel ({(_isa_override or _cpu_gemm.isas()[0])}, {n} tokens <= {limit})"
+    why = _why_not(x, bias, m)
+    if why is not None:
+        return False, why
+    n = x.numel() // x.shape[-1]
+    return True, f"fused kernel ({_isa_override or _cpu_gemm.isas()[0]}, {n} tokens <= {fused_max_n()})"
 
 
 def use_fused(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
-    return dispatch(x, bias, m)[0]
+    return _why_not(x, bias, m) is None
 
 
 def _arrays(ct: CompressedTensor):
@@ -121,11 +135,19 @@ def _u16(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def fused_gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
                sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, bias: torch.Tensor | None = None,
                *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` from the arrays of a CompressedTensor (all CPU; x, bias bf16)."""
-    _need()
+    """``F.linear(x, W, bias)`` from the arrays of a CompressedTensor (all CPU; x, bias bf16).
+
+    Kept lean: a decode step calls it once per linear layer (~10 us of Python here).
+    """
+    if _cpu_gemm is None:
+        raise ImportError(_REASON)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the fused CPU kernel takes bfloat16 activations, got {x.dtype}")
     if x.device.type != "cpu":
@@ -135,18 +157,15 @@ def fused_gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offse
     if bias is not None:
         if bias.dtype != torch.bfloat16 or bias.shape != (m,):
             raise ValueError(f"bias must be bfloat16 of shape [{m}], got {bias.dtype} {list(bias.shape)}")
-        bias = bias.contiguous()
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+        bias = _c(bias).view(torch.int16).numpy()
+    x2 = _c(x.reshape(-1, k))
     out = torch.empty((x2.shape[0], m), dtype=torch.bfloat16)
     _cpu_gemm.gemm(
-        _u16(x2), bitmaps.contiguous().numpy().view(np.uint64), base.contiguous().numpy(),
-        offsets.contiguous().numpy(), sm.contiguous().numpy(), fb.contiguous().numpy().view(np.uint16),
-        int(m), int(k), None if bias is None else _u16(bias), _u16(out),
-        int(threads or _threads_override or torch.get_num_threads()),
-        isa or _isa_override or "auto",
+        x2.view(torch.int16).numpy(), _c(bitmaps).numpy(), _c(base).numpy(), _c(offsets).numpy(),
+        _c(sm).numpy(), _c(fb).numpy(), m, k, bias, out.view(torch.int16).numpy(),
+        threads or _threads_override or torch.get_num_threads(), isa or _isa_override or "auto",
     )
-    return out.reshape(*lead, m)
+    return out.view(*x.shape[:-1], m)
 
 
 def fused_linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None, *,

@@ -45,10 +45,12 @@ Kernel pick(const std::string& isa) {
   return scalar_kernel();
 }
 
-void check(const py::array& a, const char* name, char kind, int itemsize, std::vector<int64_t> shape) {
+// kinds: the accepted NumPy dtype kinds ("u", "i", or "ui" for bit patterns,
+// which may arrive as signed views of torch's int16 / int64 tensors).
+void check(const py::array& a, const char* name, const char* kinds, int itemsize, std::vector<int64_t> shape) {
   const auto dt = a.dtype();
-  if (dt.kind() != kind || dt.itemsize() != itemsize) {
-    throw std::invalid_argument(std::string(name) + " must have dtype kind '" + kind + "' and " +
+  if (std::string(kinds).find(dt.kind()) == std::string::npos || dt.itemsize() != itemsize) {
+    throw std::invalid_argument(std::string(name) + " must have dtype kind '" + kinds + "' and " +
                                 std::to_string(itemsize) + " bytes per item, got kind '" + dt.kind() + "' of " +
                                 std::to_string(dt.itemsize()) + " bytes");
   }
@@ -67,11 +69,11 @@ Matrix matrix(const py::array& bitmaps, const py::array& base, const py::array& 
               const py::array& fb, int64_t m, int64_t k) {
   if (m < 1 || k < 1) throw std::invalid_argument("matrix shape must be positive, got " + std::to_string(m) + " x " + std::to_string(k));
   const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
-  check(bitmaps, "bitmaps", 'u', 8, {mt, kt, kPlanes, kFragsPerTile});
-  check(base, "base", 'u', 1, {mt, kt});
-  check(offsets, "offsets", 'i', 8, {mt, kt, 2});
-  check(sm, "sm", 'u', 1, {-1});
-  check(fb, "fb", 'u', 2, {-1});
+  check(bitmaps, "bitmaps", "ui", 8, {mt, kt, kPlanes, kFragsPerTile});
+  check(base, "base", "u", 1, {mt, kt});
+  check(offsets, "offsets", "i", 8, {mt, kt, 2});
+  check(sm, "sm", "u", 1, {-1});
+  check(fb, "fb", "ui", 2, {-1});
   return Matrix{static_cast<const uint64_t*>(bitmaps.data()), static_cast<const uint8_t*>(base.data()),
                 static_cast<const int64_t*>(offsets.data()),  static_cast<const uint8_t*>(sm.data()),
                 static_cast<int64_t>(sm.shape(0)),             static_cast<const uint16_t*>(fb.data()),
@@ -99,15 +101,15 @@ void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, c
           py::array out, int threads, const std::string& isa) {
   const Kernel kern = pick(isa);
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
-  check(x, "x", 'u', 2, {-1, k});
+  check(x, "x", "ui", 2, {-1, k});
   const int64_t n = x.shape(0);
-  check(out, "out", 'u', 2, {n, m});
+  check(out, "out", "ui", 2, {n, m});
   if (!out.writeable()) throw std::invalid_argument("out must be writeable");
   const uint16_t* bias_p = nullptr;
   py::array bias_a;
   if (!bias.is_none()) {
     bias_a = bias.cast<py::array>();
-    check(bias_a, "bias", 'u', 2, {m});
+    check(bias_a, "bias", "ui", 2, {m});
     bias_p = static_cast<const uint16_t*>(bias_a.data());
   }
   if (n == 0) return;
@@ -133,7 +135,7 @@ void decode(const py::array& bitmaps, const py::array& base, const py::array& of
             const py::array& fb, int64_t m, int64_t k, py::array out, int threads, const std::string& isa) {
   const Kernel kern = pick(isa);
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
-  check(out, "out", 'u', 2, {m, k});
+  check(out, "out", "ui", 2, {m, k});
   std::atomic<int64_t> bad{-1};
   {
     py::gil_scoped_release nogil;
