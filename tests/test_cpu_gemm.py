@@ -230,12 +230,15 @@ def test_bad_input_errors():
         cpu_kernels.fused_linear(x, ct, isa="sse9")
     with pytest.raises(ValueError, match="threads"):
         cpu_kernels.set_threads(0)
-    bad = zipserv_vllm.CompressedTensor(ct.shape, ct.bitmaps, ct.base, ct.offsets + 16, ct.sm, ct.fb)
-    for isa in cpu_kernels.isas():
-        with pytest.raises(ValueError, match=r"tile \(0, 0\)"):
-            cpu_kernels.fused_linear(x, bad, isa=isa)
-        with pytest.raises(ValueError, match=r"tile \(0, 0\)"):
-            cpu_kernels.decode(bad, isa=isa)
+    huge = ct.offsets.clone()
+    huge[..., 0] = 2 ** 63 - 16  # must not overflow the bounds check
+    for offsets in (ct.offsets + 16, ct.offsets - 16, huge):
+        bad = zipserv_vllm.CompressedTensor(ct.shape, ct.bitmaps, ct.base, offsets, ct.sm, ct.fb)
+        for isa in cpu_kernels.isas():
+            with pytest.raises(ValueError, match=r"tile \(0, 0\)"):
+                cpu_kernels.fused_linear(x, bad, isa=isa)
+            with pytest.raises(ValueError, match=r"tile \(0, 0\)"):
+                cpu_kernels.decode(bad, isa=isa)
 
 
 def test_avx512_path_reported_honestly():

@@ -104,7 +104,7 @@ inline uint16_t finish_output(const float lanes[4], const uint16_t* bias, int64_
 inline bool tile_ok(const Matrix& w, int64_t g, int64_t h) {
   const int64_t off_sm = w.offsets[2 * g], off_fb = w.offsets[2 * g + 1];
   return off_sm % kSmAlign == 0 && off_fb % kFbAlign == 0 && off_sm >= 0 && off_fb >= 0 &&
-         off_sm + sm_segment_len(h) <= w.sm_len && off_fb + fb_segment_len(h) <= w.fb_len;
+         off_sm <= w.sm_len - sm_segment_len(h) && off_fb <= w.fb_len - fb_segment_len(h);
 }
 
 inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
