@@ -11,7 +11,8 @@ times, in the same run and process:
 
 Several copies of every weight are rotated (enough to exceed 4x the L2 cache,
 at most --max-copies) so no method is flattered by a warm L2. Each number is
-the median of --reps CUDA-event timings of --iters calls. Reports time,
+the median of --reps CUDA-event timings of --iters calls (captured in a CUDA
+graph for N <= --graph-max-n, so launch overhead is excluded alike). Reports time,
 effective weight bandwidth (bytes of the weight as stored / time) and speedups
 over cuBLAS; writes JSON (benchmarks/results/bench_zipgemm.json) and prints a
 table. Without a CUDA device it exits with status 2 and a message: there are no
@@ -58,17 +59,39 @@ def need_cuda(tool: str):
     return torch, cuda_ops
 
 
-def time_calls(torch, fns, iters: int, reps: int, warmup: int = 3) -> float:
-    """Median over reps of the mean seconds per call, rotating through fns."""
+def time_calls(torch, fns, iters: int, reps: int, warmup: int = 3, graph: bool = True) -> float:
+    """Median over reps of the mean seconds per call, rotating through fns.
+
+    With ``graph`` the ``iters`` calls are captured once in a CUDA graph and the
+    graph is replayed, so Python and dispatcher overhead (tens of us per call,
+    comparable to a small decode GEMM) is excluded for every method alike.
+    """
     for i in range(warmup):
         fns[i % len(fns)]()
     torch.cuda.synchronize()
+    run = None
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(warmup):
+                fns[i % len(fns)]()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(iters):
+                fns[i % len(fns)]()
+        run = g.replay
+        run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(reps):
         start.record()
-        for i in range(iters):
-            fns[i % len(fns)]()
+        if run is not None:
+            run()
+        else:
+            for i in range(iters):
+                fns[i % len(fns)]()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / iters)
@@ -90,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-copies", type=int, default=8)
+    ap.add_argument("--graph-max-n", type=int, default=256,
+                    help="time N up to this inside CUDA graphs (no launch overhead); larger N eagerly")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B only, N in 1,8,32,128,1024, fewer iterations")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_zipgemm.json"))
     args = ap.parse_args(argv)
@@ -120,7 +145,7 @@ def main(argv=None) -> int:
         layers = shapes_mod.MODELS[model]
         max_m = max(m for m, _ in layers.values())
         max_k = max(k for _, k in layers.values())
-        cuda_ops.reserve_workspaces(dev, max_m, max_k, max(ns))
+        cuda_ops.reserve_workspaces(dev, max_m, max_k, max(ns), max_weight_elems=max(m * k for m, k in layers.values()))
         for layer, (m, k) in layers.items():
             w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
             ct = cuda_ops.compress_tensor_cuda(w)
@@ -141,9 +166,11 @@ def main(argv=None) -> int:
                 if n <= args.fused_max_n:
                     methods["fused"] = [lambda c=c_: cuda_ops.fused_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k,
                                                                           None, tn, fused_split) for c_ in cts]
-                t = {key: time_calls(torch, fns, iters, reps) for key, fns in methods.items()}
+                graph = n <= args.graph_max_n
+                t = {key: time_calls(torch, fns, iters, reps, graph=graph) for key, fns in methods.items()}
                 row = {
                     "model": model, "layer": layer, "M": m, "K": k, "N": n, "copies": copies,
+                    "timing": "cuda_graph" if graph else "eager",
                     "bf16_weight_bytes": m * k * 2, "compressed_weight_bytes": ct.nbytes,
                     "bits_per_weight": round(ct.bits_per_weight, 3),
                     "plan": {"path": plan.path, "tile_n": plan.tile_n, "split": plan.split},
