@@ -49,6 +49,31 @@ def _status(field: str) -> int:
     return -1
 
 
+class _AnonPeak:
+    """Samples RssAnon every 20 ms: the peak of anonymous (non file-backed) memory.
+
+    VmHWM also counts the checkpoint's memory-mapped file pages, which stay
+    mapped (and in RSS) while vLLM holds views of them during loading, although
+    they are reclaimable page cache, not allocations."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status("RssAnon"))
+            self._stop.wait(0.02)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return max(self.peak, _status("RssAnon"))
+
+
 def child(model: str, quantization: str | None) -> dict:
     """Runs in the subprocess: load, measure, generate, report."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -58,14 +83,16 @@ def child(model: str, quantization: str | None) -> dict:
 
     from zipserv_vllm.vllm_plugin.memory import weight_memory
 
-    rss_before = _status("VmRSS")
+    rss_before, anon_before = _status("VmRSS"), _status("RssAnon")
+    sampler = _AnonPeak()
     t0 = time.perf_counter()
     kw = {"quantization": quantization} if quantization else {}
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=32 << 20,
               seed=0, disable_log_stats=True, **kw)
     load_s = time.perf_counter() - t0
     mem = llm.apply_model(weight_memory)[0]
-    rss_after = _status("VmRSS")
+    rss_after, anon_after, file_after = _status("VmRSS"), _status("RssAnon"), _status("RssFile")
+    anon_peak_load = sampler.stop()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return {
         "weight_bytes": mem["total_bytes"], "param_and_buffer_bytes": mem["param_and_buffer_bytes"],
@@ -73,6 +100,8 @@ def child(model: str, quantization: str | None) -> dict:
         "layers_compressed": mem["layers_compressed"], "load_paths": mem["load_paths"],
         "compressed_bf16_bytes": mem["compressed_bf16_bytes"],
         "rss_before_engine": rss_before, "rss_after_load": rss_after, "peak_rss": _status("VmHWM"),
+        "rss_anon_before_engine": anon_before, "rss_anon_after_load": anon_after, "rss_file_after_load": file_after,
+        "peak_rss_anon_during_load": anon_peak_load,
         "engine_start_s": round(load_s, 2),
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
@@ -146,6 +175,7 @@ def main(argv=None) -> int:
             r["weight_ratio_vs_bf16"] = round(base["weight_bytes"] / r["weight_bytes"], 4)
             r["weight_bytes_saved"] = base["weight_bytes"] - r["weight_bytes"]
             r["rss_after_load_saved"] = base["rss_after_load"] - r["rss_after_load"]
+            r["rss_anon_after_load_saved"] = base["rss_anon_after_load"] - r["rss_anon_after_load"]
             r["tokens_equal_bf16"] = r["tokens"] == base["tokens"]
         n_params = base["param_and_buffer_bytes"] // 2  # BF16 storage / 2 bytes (buffers included)
         results["models"][size] = {"config": SIZES[size], "approx_params": n_params, **info, "runs": runs}
@@ -154,13 +184,14 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
-    print(f"{'model':6} {'variant':14} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'RSS MiB':>9} "
-          f"{'peak RSS MiB':>13} {'start s':>8} {'tokens=':>7}")
+    print(f"{'model':6} {'variant':14} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'anon RSS MiB':>13} "
+          f"{'peak anon MiB':>14} {'peak RSS MiB':>13} {'start s':>8} {'tokens=':>7}")
     for size, m in results["models"].items():
         for name in VARIANTS:
             r = m["runs"][name]
             print(f"{size:6} {name:14} {_mib(r['weight_bytes']):>12} {r.get('weight_ratio_vs_bf16', 1.0):>7.3f} "
-                  f"{_mib(r['arena_bytes']):>10} {_mib(r['rss_after_load']):>9} {_mib(r['peak_rss']):>13} "
+                  f"{_mib(r['arena_bytes']):>10} {_mib(r['rss_anon_after_load']):>13} "
+                  f"{_mib(r['peak_rss_anon_during_load']):>14} {_mib(r['peak_rss']):>13} "
                   f"{r['engine_start_s']:>8} {str(r.get('tokens_equal_bf16', '-')):>7}")
     print(f"wrote {out}")
     return 0

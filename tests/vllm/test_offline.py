@@ -81,3 +81,27 @@ def test_fast_mode_runs_through_zipserv_gemm(llama_fast, llama_runs):
     same_first = sum(a[0] == b[0] for a, b in zip(llama_fast["tokens"], base["tokens"]))
     assert same_first >= len(PROMPTS) - 2
     assert llama_fast["memory"]["load_paths"] == {"packed": 10}
+
+
+@pytest.fixture(scope="module")
+def mixed_run(vllm_env, llama_dirs, tmp_path_factory):
+    """A pre-compressed checkpoint that stores one layer (layer 0's o_proj) uncompressed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bf16, zs = llama_dirs
+    d = tmp_path_factory.mktemp("mixed") / "zs"
+    shutil.copytree(zs, d)
+    name = "model.layers.0.self_attn.o_proj"
+    tensors = {k: v for k, v in load_file(d / "model.safetensors").items() if not k.startswith(name + ".")}
+    tensors[name + ".weight"] = load_file(bf16 / "model.safetensors")[name + ".weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return run_engine(d, chat=False)
+
+
+def test_layer_stored_uncompressed_stays_bf16(mixed_run, llama_runs):
+    _same(llama_runs["base"], mixed_run)
+    mem = mixed_run["memory"]
+    assert mem["load_paths"] == {"tiles": 9, "bf16": 1}
+    assert mem["layers_bf16"] == 1 and mem["layers_compressed"] == 9

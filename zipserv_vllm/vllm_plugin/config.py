@@ -57,6 +57,20 @@ def _page_bytes() -> int:
     return int(mb * (1 << 20))
 
 
+def _release_freed_memory() -> None:
+    """Return freed heap memory to the OS after packing (glibc only; a no-op elsewhere).
+
+    Packing at load allocates and frees one BF16 layer and its compressed
+    temporaries per layer; glibc keeps much of that freed heap mapped, which would
+    show up as resident memory (measured: about 190 MiB on a 1.1 B model)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @register_quantization_config(NAME)
 class ZipServConfig(QuantizationConfig):
     """Lossless TCA-TBE compressed BF16 weights (pre-compressed or packed at load)."""
@@ -181,10 +195,16 @@ class ZipServConfig(QuantizationConfig):
             return
         self._finished = True
         for arena in self._arenas.values():
-            if arena.trim():
-                for st in self._states:
-                    if st.arena is arena and st.tables:
-                        st.bind()
+            users = [st for st in self._states if st.arena is arena and st.tables]
+            # Drop the views first so each old page is freed as soon as it is copied
+            # (otherwise trimming would briefly hold the arena twice).
+            for st in users:
+                st.parts = []
+            arena.trim()
+            for st in users:
+                st.bind()
+        if not self.precompressed:
+            _release_freed_memory()
         self.log_summary()
 
     def memory_summary(self) -> dict[str, int]:
