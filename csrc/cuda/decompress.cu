@@ -69,6 +69,12 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
 
 }  // namespace
 
+// Loads the kernel now (lazy module loading must not happen during graph capture).
+int decompress_preload() {
+  cudaFuncAttributes at;
+  return static_cast<int>(cudaFuncGetAttributes(&at, decompress_kernel));
+}
+
 int decompress(const DecompressArgs& a, uintptr_t stream) {
   if (a.M < 1 || a.K < 1) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t g = static_cast<int64_t>((a.M + kTile - 1) / kTile) * ((a.K + kTile - 1) / kTile);

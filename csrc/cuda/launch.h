@@ -61,8 +61,11 @@ int decompress(const DecompressArgs& a, uintptr_t stream);
 int encode_tiles(const EncodeArgs& a, uintptr_t stream);
 int encode_scatter(const ScatterArgs& a, uintptr_t stream);
 // Sets the dynamic shared-memory attribute of every fused instance on the
-// current device (once per device, before any launch or graph capture).
+// current device and loads every kernel the GEMM paths launch (once per
+// device, before any launch or graph capture: with lazy module loading a
+// first launch inside a capture would load a module during capture).
 int prepare_current_device();
+int decompress_preload();
 const char* error_string(int err);
 
 }  // namespace cuda

@@ -61,6 +61,11 @@ int prepare_current_device() {
   if (!err) err = fused::set_attr_nt8_4();
   if (!err) err = fused::set_attr_nt8_8();
   if (!err) err = fused::set_attr_nt8_16();
+  if (!err) {
+    cudaFuncAttributes at;
+    err = static_cast<int>(cudaFuncGetAttributes(&at, splitk_reduce));
+  }
+  if (!err) err = decompress_preload();
   return err;
 }
 
