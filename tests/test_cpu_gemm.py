@@ -13,6 +13,10 @@ Budget: < 90 s on 2 cores (the scalar path is the slow one; shapes are small).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -296,3 +300,29 @@ def test_eager_bypass_equals_op_and_traces():
     assert torch.equal(_bits(eager), _bits(via_op))
     traced = torch.compile(lambda t: zipserv_vllm.linear(t, ct, mode="fast"), backend="eager", fullgraph=True)
     assert torch.equal(_bits(traced(x)), _bits(eager))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_after_use_does_not_deadlock():
+    """A forked child has none of the parent's pool threads; it must build its own."""
+    w = _weight(256, 128, seed=91)
+    ct = compress_tensor(w)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(92)).bfloat16()
+    ref = cpu_kernels.fused_linear(x, ct, threads=2)
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the kernel runs and agrees
+        try:
+            ok = torch.equal(_bits(cpu_kernels.fused_linear(x, ct, threads=2)), _bits(ref))
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in the fused kernel")

@@ -5,6 +5,8 @@
 // parked between calls. A worker spins briefly for the next job (calls come in
 // quick succession while a model runs) and then sleeps on a condition
 // variable, so an idle process does not burn the cores.
+#include <pthread.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -106,8 +108,29 @@ class Pool {
   std::atomic<int> pending_{0};
 };
 
+// The pool is never destroyed (no joining threads at interpreter exit). A
+// forked child has none of the parent's worker threads, so it must not use the
+// parent's pool (it would wait for them forever): the atfork handler makes the
+// child build a fresh one on first use, leaking the old object untouched.
+std::atomic<Pool*> g_pool{nullptr};
+std::mutex g_pool_mu;
+
+void forget_pool_in_child() { g_pool.store(nullptr); }
+
 Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: avoids joining threads at interpreter exit
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p) return *p;
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  static bool registered = false;
+  if (!registered) {
+    pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+    registered = true;
+  }
+  p = g_pool.load();
+  if (!p) {
+    p = new Pool();
+    g_pool.store(p, std::memory_order_release);
+  }
   return *p;
 }
 
