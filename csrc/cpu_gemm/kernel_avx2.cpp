@@ -24,10 +24,10 @@ namespace {
 
 inline int64_t tile_high_avx2(const uint64_t* planes);
 inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
-                           __m256i tlo, uint16_t* dst, uint16_t* dummy);
+                           __m256i tlo, uint16_t* dst);
 
 #define ZS_TILE_HIGH(planes) tile_high_avx2(planes)
-#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst, dummy) decode_ft_avx2(pl, smp, fbp, thi, tlo, dst, dummy)
+#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst) decode_ft_avx2(pl, smp, fbp, thi, tlo, dst)
 #include "simd_common.inc"
 
 inline int64_t tile_high_avx2(const uint64_t* planes) {
@@ -47,7 +47,7 @@ inline __m256i plane_mask(__m256i b, __m256i shuf) {
 inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 
 inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
-                           __m256i tlo, uint16_t* dst, uint16_t* dummy) {
+                           __m256i tlo, uint16_t* dst) {
   const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i zero = _mm256_setzero_si256();
@@ -83,7 +83,7 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
     assemble_lohi(c, _mm256_shuffle_epi8(sms, _mm256_add_epi8(x, iota)), thi, tlo, &lo, &hi);
     store_lohi(lo, hi, dst + 32 * h);
   }
-  fix_fallback(ind, fbp, dst, dummy);
+  fix_fallback(ind, fbp, dst);
   smp += hall;
   fbp += 64 - hall;
 }

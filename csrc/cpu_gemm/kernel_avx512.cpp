@@ -35,10 +35,10 @@ namespace {
 
 inline int64_t tile_high_avx512(const uint64_t* planes);
 inline void decode_ft_avx512(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
-                             __m256i tlo, uint16_t* dst, uint16_t* dummy);
+                             __m256i tlo, uint16_t* dst);
 
 #define ZS_TILE_HIGH(planes) tile_high_avx512(planes)
-#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst, dummy) decode_ft_avx512(pl, smp, fbp, thi, tlo, dst, dummy)
+#define ZS_DECODE_FT(pl, smp, fbp, thi, tlo, dst) decode_ft_avx512(pl, smp, fbp, thi, tlo, dst)
 #include "simd_common.inc"
 
 inline int64_t tile_high_avx512(const uint64_t* planes) {
@@ -55,7 +55,7 @@ inline int64_t tile_high_avx512(const uint64_t* planes) {
 }
 
 inline void decode_ft_avx512(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
-                             __m256i tlo, uint16_t* dst, uint16_t*) {
+                             __m256i tlo, uint16_t* dst) {
   const uint64_t p0 = pl[0], p1 = pl[kFragsPerTile], p2 = pl[2 * kFragsPerTile];
   const uint64_t ind = p0 | p1 | p2, nf = ~ind;
   // code = 1 | 2 | 4 under the plane masks; vpexpandb places the high
