@@ -326,3 +326,17 @@ def test_fork_after_use_does_not_deadlock():
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung in the fused kernel")
+
+
+def test_without_the_extension_fast_falls_back_with_a_reason(monkeypatch):
+    """When _cpu_gemm is missing, mode="fast" is decode + F.linear and dispatch() says why."""
+    w = _weight(64, 96, seed=101)
+    ct = compress_tensor(w)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(102)).bfloat16()
+    monkeypatch.setattr(cpu_kernels, "_cpu_gemm", None)
+    monkeypatch.setattr(cpu_kernels, "_REASON", "zipserv_vllm._cpu_gemm is not built (test)")
+    use, why = cpu_kernels.dispatch(x, None, 64)
+    assert not use and "not built" in why
+    assert torch.equal(_bits(zipserv_vllm.linear(x, ct, mode="fast")), _bits(F.linear(x, w)))
+    with pytest.raises(ImportError, match="not built"):
+        cpu_kernels.fused_linear(x, ct)
