@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-NO_VLLM_NEEDED = {"test_arena.py"}
+NO_VLLM_NEEDED = {"test_arena.py", "test_traceable.py"}
 
 try:
     import vllm  # noqa: F401

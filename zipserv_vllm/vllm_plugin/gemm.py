@@ -41,3 +41,26 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
 
     return dispatch_unquantized_gemm()(holder, x, weight, bias)
+
+
+@torch.library.custom_op("zipserv::exact_linear", mutates_args=())
+def exact_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`exact_linear` as an opaque op, so torch.compile can trace exact mode.
+
+    vLLM's dispatcher probes the CPU (``torch.cpu._is_amx_tile_supported``, which
+    dynamo refuses to trace) and prepacks the weight into oneDNN handles, neither
+    of which can run on traced tensors. Inside the op it runs on the real decoded
+    weight; the fake implementation only gives the output shape."""
+    return exact_linear(x, weight, bias)
+
+
+@exact_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def exact_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Eager: :func:`exact_linear` directly (no op-dispatch cost); traced: through the op."""
+    if torch.compiler.is_compiling():
+        return exact_linear_op(x, weight, bias)
+    return exact_linear(x, weight, bias)

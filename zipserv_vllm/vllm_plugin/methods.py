@@ -19,8 +19,10 @@ At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
 * ``fast``: ``zipserv_vllm.linear(x, ct, bias, mode="fast")`` (``zipserv::gemm``),
   where fused decode-GEMM kernels plug in.
 
-The embedding decodes only the tile rows (64 vocabulary rows each) that the
-batch's ids touch, then gathers.
+The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.embedding`) decodes
+only the tile rows (64 vocabulary rows each) that the batch's ids touch, then
+gathers. Every op used here is a torch.library custom op with a fake
+implementation, so vLLM's torch.compile path traces ``apply``/``embedding``.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.utils import set_weight_attrs
 
+from .. import embedding as _embedding_op  # noqa: F401  registers zipserv::embedding
 from .. import ops
-from ..format import CompressedTensor, spec
+from ..format import CompressedTensor
 from . import loading
-from .gemm import exact_linear
+from .gemm import exact_gemm
 from .log import logger
 
 _STATE = "_zs_state"
@@ -68,7 +71,7 @@ def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tenso
     if not st.parts:
         raise RuntimeError(f"zipserv: layer {st.prefix} was never loaded")
     if mode == "exact":
-        return exact_linear(x, _full_weight(st), bias)
+        return exact_gemm(x, _full_weight(st), bias)
     outs, row = [], 0
     for p in st.parts:
         b = None if bias is None else bias[row : row + p.shape[0]]
@@ -84,33 +87,14 @@ def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tenso
 
 
 def compressed_embedding(st: loading.LayerState, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the compressed table, decoding only the tile rows they touch."""
+    """Rows ``ids`` of the compressed table (``zipserv::embedding``: decodes only the tile rows they touch)."""
     if not st.parts:
         raise RuntimeError(f"zipserv: embedding {st.prefix} was never loaded")
     if len(st.parts) != 1:
         return F.embedding(ids, _full_weight(st))
     ct = st.parts[0]
-    flat = ids.reshape(-1)
-    tile_rows = torch.unique(flat.clamp(0, st.rows - 1) // spec.TILE)  # sorted
-    n_ct_tiles = ct.grid[0]
-    live = tile_rows[tile_rows < n_ct_tiles]  # rows past the compressed ones are vocab padding (zeros)
-    if live.numel() == 0:
-        return torch.zeros((*ids.shape, st.cols), dtype=torch.bfloat16, device=ids.device)
-    idx = live.to(ct.bitmaps.device)
-    last_rows = ct.shape[0] - (n_ct_tiles - 1) * spec.TILE
-    m = (live.numel() - 1) * spec.TILE + (last_rows if int(live[-1]) == n_ct_tiles - 1 else spec.TILE)
-    # The selected tiles keep their segment starts: offsets may point anywhere in the streams.
-    sub = torch.ops.zipserv.decompress(ct.bitmaps[idx].contiguous(), ct.base[idx].contiguous(),
-                                       ct.offsets[idx].contiguous(), ct.sm, ct.fb, m, ct.shape[1])
-    table = torch.cat([sub, sub.new_zeros(1, st.cols)])  # last row: zeros for padding ids
-    # Position of each id's row inside ``sub`` (or the zero row).
-    pos_of_tile = torch.full((st.rows // spec.TILE + 1,), -1, dtype=torch.long, device=flat.device)
-    pos_of_tile[live.to(flat.device)] = torch.arange(live.numel(), device=flat.device)
-    tile = flat // spec.TILE
-    within = flat % spec.TILE
-    rank = pos_of_tile[tile.clamp(max=pos_of_tile.numel() - 1)]
-    pos = torch.where((rank >= 0) & (flat < ct.shape[0]), rank * spec.TILE + within, torch.full_like(flat, m))
-    return F.embedding(pos, table).reshape(*ids.shape, st.cols)
+    return torch.ops.zipserv.embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb,
+                                       ct.shape[0], ct.shape[1], st.rows)
 
 
 # =========================================================================== base

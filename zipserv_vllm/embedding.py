@@ -1,0 +1,65 @@
+"""``zipserv::embedding``: rows of a compressed embedding table, as a traceable custom op.
+
+``embedding(ids, bitmaps, base, offsets, sm, fb, m, k, rows) -> Tensor[*ids.shape, k] bf16``
+returns ``F.embedding(ids, W_padded)`` where ``W`` is the ``[m, k]`` compressed
+matrix and ``W_padded`` appends ``rows - m`` zero rows (vLLM pads the vocabulary
+of an embedding layer; padding ids read zeros). Ids outside ``[0, rows)`` are
+clamped like the plugin did before (vLLM never sends them).
+
+Only the 64-row tile rows that the ids touch are decoded: the set of touched
+tile rows is data dependent (``torch.unique``), which torch.compile cannot
+trace; inside a custom op it is opaque, and the fake implementation gives the
+output shape from the ids' shape alone, so graphs with the lookup trace
+without breaks (torch.compile fullgraph, CUDA graphs). Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .format import CompressedTensor, spec
+
+
+def _lookup(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
+    from .codec import decompress_tensor
+
+    flat = ids.reshape(-1).clamp(0, rows - 1)
+    n_tiles = -(-m // spec.TILE)
+    tile_rows = torch.unique(flat // spec.TILE)  # sorted
+    live = tile_rows[tile_rows < n_tiles]  # tile rows past the compressed ones are vocabulary padding (zeros)
+    if live.numel() == 0:
+        return torch.zeros((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
+    idx = live.to(bitmaps.device)
+    last_rows = m - (n_tiles - 1) * spec.TILE
+    sub_m = (live.numel() - 1) * spec.TILE + (last_rows if int(live[-1]) == n_tiles - 1 else spec.TILE)
+    # The selected tiles keep their segment starts: offsets may point anywhere in the streams.
+    sub = decompress_tensor(CompressedTensor((sub_m, k), bitmaps[idx].contiguous(), base[idx].contiguous(),
+                                             offsets[idx].contiguous(), sm, fb))
+    table = torch.cat([sub.to(ids.device), sub.new_zeros(1, k, device=ids.device)])  # last row: zeros for padding
+    pos_of_tile = torch.full((-(-rows // spec.TILE) + 1,), -1, dtype=torch.long, device=flat.device)
+    pos_of_tile[live.to(flat.device)] = torch.arange(live.numel(), device=flat.device)
+    rank = pos_of_tile[flat // spec.TILE]
+    pos = torch.where((rank >= 0) & (flat < m), rank * spec.TILE + flat % spec.TILE, torch.full_like(flat, sub_m))
+    return F.embedding(pos, table).reshape(*ids.shape, k)
+
+
+@torch.library.custom_op("zipserv::embedding", mutates_args=())
+def embedding(ids: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
+              sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"zipserv::embedding: ids must be int32 or int64, got {ids.dtype}")
+    if rows < m:
+        raise ValueError(f"zipserv::embedding: rows ({rows}) must be at least the table's {m} rows")
+    return _lookup(ids, bitmaps, base, offsets, sm, fb, m, k, rows)
+
+
+@embedding.register_fake
+def _(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
+    return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
+
+
+def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor, rows: int | None = None) -> torch.Tensor:
+    """``F.embedding(ids, W)`` for the compressed ``ct`` (``rows - m`` zero padding rows)."""
+    m, k = ct.shape
+    return embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, m if rows is None else rows)
