@@ -36,8 +36,21 @@ def _release(llm) -> None:
         pass
 
 
-def run_engine(model: Path, chat: bool = True, **kw) -> dict:
-    """Start one engine, run the greedy batch (+ one chat), measure its weights, stop it."""
+def _score(llm, seqs: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced log-probabilities: for each token sequence, the logprob of
+    every token after the first given its prefix (one prefill, ``prompt_logprobs``)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
+
+
+def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
+    """Start one engine, run the greedy batch (+ one chat), measure its weights, stop it.
+
+    ``score="self"`` also scores (teacher-forced) each prompt followed by this
+    engine's own greedy tokens; a list of token sequences scores those."""
     from vllm import LLM, SamplingParams
 
     from zipserv_vllm.vllm_plugin.memory import weight_memory
@@ -52,6 +65,10 @@ def run_engine(model: Path, chat: bool = True, **kw) -> dict:
             "text": [o.outputs[0].text for o in outs],
             "memory": llm.apply_model(weight_memory)[0],
         }
+        if score is not None:
+            seqs = ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+                    if score == "self" else score)
+            result["score_seqs"], result["scores"] = seqs, _score(llm, seqs)
         if chat:
             c = llm.chat([{"role": "user", "content": "What is a tile?"}],
                          SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -27,7 +27,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
         kb = _storage_key_and_bytes(t)
         if kb is not None:
             storages[kb[0]] = kb[1]
-    arenas, compressed, bf16, paths, equiv = {}, 0, 0, {}, 0
+    arenas, compressed, bf16, paths, equiv, parts = {}, 0, 0, {}, 0, {}
     for mod in model.modules():
         st = mod.__dict__.get("_zs_state")
         if st is None:
@@ -38,6 +38,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
             arenas[id(st.arena)] = st.arena
             compressed += 1
             equiv += 2 * st.rows * st.cols
+            parts[st.prefix] = len(st.part_shapes)
         if st.path:
             paths[st.path] = paths.get(st.path, 0) + 1
     param_bytes = sum(storages.values())
@@ -51,4 +52,5 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "layers_bf16": bf16,
         "load_paths": paths,
         "compressed_bf16_bytes": equiv,
+        "parts": parts,  # compressed matrices per layer: 1 = one GEMM per call in fast mode
     }

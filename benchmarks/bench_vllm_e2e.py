@@ -1,0 +1,169 @@
+"""vLLM CPU decode speed: zipserv fast mode, zipserv exact mode and BF16, side by side.
+
+Each variant runs in a fresh subprocess (one real vLLM engine, CPU backend,
+in-process engine core, eager). The model is the Llama-shaped ~1.1 B model of
+``bench_memory.py`` (hidden 2048, 16 layers, intermediate 8192, vocab 32000,
+N(0, 0.02^2) weights), built with the shared tiny-model builder and compressed
+once with the checkpoint module; the compressed variants load the
+pre-compressed checkpoint (``ZIPSERV_MODE`` selects fast / exact).
+
+Decode is measured separately from prefill: for each batch size the same
+prompts are generated greedily (``ignore_eos``) with ``--short`` and ``--long``
+new tokens; decode tokens/s = batch * (long - short) / (t_long - t_short),
+so the prefill and the first token cancel out. Each (batch, length) is timed
+``--reps`` times after one warm-up generation; medians are reported.
+
+    python benchmarks/bench_vllm_e2e.py                    # 1b, batch 1 and 8
+    python benchmarks/bench_vllm_e2e.py --size tiny --reps 2   # quick check
+
+Writes benchmarks/results/bench_vllm_e2e.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_memory import SIZES, _prepare  # noqa: E402  (same models, same cache dir)
+
+VARIANTS = {  # name -> (checkpoint, ZIPSERV_MODE)
+    "bf16": ("bf16", None),
+    "zipserv_fast": ("zs", "fast"),
+    "zipserv_exact": ("zs", "exact"),
+}
+PROMPT_WORDS = "the quick brown fox jumps over the lazy dog while memory bandwidth limits decode".split()
+
+
+def child(model: str, batches: list[int], short: int, long: int, reps: int, exact_reps: int) -> dict:
+    """In the subprocess: start the engine, time generations, report."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
+              seed=0, disable_log_stats=True, max_num_seqs=max(batches))
+    start_s = time.perf_counter() - t0
+    if os.environ.get("ZIPSERV_MODE") == "exact":
+        reps = exact_reps
+    out = {"engine_start_s": round(start_s, 2), "torch_threads": torch.get_num_threads(), "batches": {}}
+    for b in batches:
+        prompts = [" ".join(PROMPT_WORDS[i % 5 : i % 5 + 8]) for i in range(b)]
+
+        def gen(n):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+        gen(short)  # warm-up
+        ts, tl, toks = [], [], None
+        for _ in range(reps):
+            ts.append(gen(short)[0])
+            dt, toks = gen(long)
+            tl.append(dt)
+        t_s, t_l = statistics.median(ts), statistics.median(tl)
+        out["batches"][str(b)] = {
+            "t_short_s": [round(x, 4) for x in ts], "t_long_s": [round(x, 4) for x in tl],
+            "median_short_s": round(t_s, 4), "median_long_s": round(t_l, 4),
+            "decode_tok_s": round(b * (long - short) / (t_l - t_s), 3),
+            "decode_ms_per_step": round(1000 * (t_l - t_s) / (long - short), 2),
+            "tokens": toks,
+        }
+    return out
+
+
+def _run_child(model: Path, mode: str | None, args) -> dict:
+    env = dict(os.environ)
+    env.pop("ZIPSERV_MODE", None)
+    if mode:
+        env["ZIPSERV_MODE"] = mode
+    cmd = [sys.executable, __file__, "--child", str(model), "--batches", args.batches, "--short", str(args.short),
+           "--long", str(args.long), "--reps", str(args.reps), "--exact-reps", str(args.exact_reps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child for {model} (mode {mode}) failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("BENCH_JSON "):])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--short", type=int, default=4, help="new tokens of the short generation")
+    ap.add_argument("--long", type=int, default=36, help="new tokens of the long generation")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--exact-reps", type=int, default=1, help="repetitions for exact mode (it decodes every weight each step)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vllm_e2e.json"))
+    ap.add_argument("--timeout", type=int, default=2400)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if args.long <= args.short:
+        print(f"error: --long ({args.long}) must be larger than --short ({args.short})", file=sys.stderr)
+        return 2
+    if args.child:
+        print("BENCH_JSON " + json.dumps(child(args.child, batches, args.short, args.long, args.reps, args.exact_reps)),
+              flush=True)
+        return 0
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    bf16, zs, info = _prepare(args.size, workdir)
+    dirs = {"bf16": bf16, "zs": zs}
+    results = {"benchmark": "bench_vllm_e2e", "host": os.uname().nodename, "cpus": os.cpu_count(),
+               "model": {"size": args.size, "config": SIZES[args.size], **info},
+               "settings": {"batches": batches, "short": args.short, "long": args.long, "reps": args.reps,
+                            "exact_reps": args.exact_reps, "enforce_eager": True, "greedy": True, "ignore_eos": True},
+               "runs": {}}
+    try:
+        import vllm.version as vv
+
+        results["vllm"] = vv.__version__
+    except Exception:
+        pass
+    try:
+        load = os.getloadavg()
+        results["loadavg_at_start"] = [round(x, 2) for x in load]
+    except OSError:
+        pass
+    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        ckpt, mode = VARIANTS[name]
+        print(f"running {name} ...", flush=True)
+        results["runs"][name] = _run_child(dirs[ckpt], mode, args)
+    base = results["runs"].get("bf16")
+    for name, r in results["runs"].items():
+        for b, m in r["batches"].items():
+            if base and name != "bf16":
+                m["speedup_vs_bf16"] = round(m["decode_tok_s"] / base["batches"][b]["decode_tok_s"], 3)
+                m["tokens_equal_bf16"] = m["tokens"] == base["batches"][b]["tokens"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+    print(f"{'variant':14} {'batch':>5} {'decode tok/s':>13} {'ms/step':>9} {'vs bf16':>8} {'t_short s':>10} "
+          f"{'t_long s':>9} {'tokens=bf16':>11}")
+    for name, r in results["runs"].items():
+        for b, m in r["batches"].items():
+            print(f"{name:14} {b:>5} {m['decode_tok_s']:>13.2f} {m['decode_ms_per_step']:>9.1f} "
+                  f"{m.get('speedup_vs_bf16', 1.0):>8.2f} {m['median_short_s']:>10.3f} {m['median_long_s']:>9.3f} "
+                  f"{str(m.get('tokens_equal_bf16', '-')):>11}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
