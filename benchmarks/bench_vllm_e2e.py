@@ -78,6 +78,8 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
             "median_short_s": round(t_s, 4), "median_long_s": round(t_l, 4),
             "decode_tok_s": round(b * (long - short) / (t_l - t_s), 3),
             "decode_ms_per_step": round(1000 * (t_l - t_s) / (long - short), 2),
+            # the same from each repetition's own (long, short) pair: shows the run-to-run noise
+            "decode_tok_s_per_rep": [round(b * (long - short) / (a - c), 3) if a > c else None for a, c in zip(tl, ts)],
             "tokens": toks,
         }
     return out

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from zs_e2e import run_engine
+from zs_e2e import FAST_LOGPROB_TOL, max_score_diff, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,17 @@ def compiled_runs(vllm_env, llama_dirs):
     os.environ["VLLM_CPU_CI_ENV"] = "1"
     try:
         runs = {}
-        for name, kw in (("base", {}), ("exact", {"quantization": "zipserv"})):
+        for name, mode, kw in (("base", "exact", {"score": "self"}), ("exact", "exact", {"quantization": "zipserv"}),
+                               ("fast", "fast", {"quantization": "zipserv"})):
+            if name == "fast":
+                kw["score"] = runs["base"]["score_seqs"]
+            os.environ["ZIPSERV_MODE"] = mode
             before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             runs[name] = run_engine(bf16, chat=False, enforce_eager=False, **kw)
             runs[name]["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         return runs
     finally:
+        os.environ["ZIPSERV_MODE"] = "exact"
         if old is None:
             os.environ.pop("VLLM_CPU_CI_ENV", None)
         else:
@@ -47,3 +52,10 @@ def test_exact_mode_compiled_identical_to_bf16_compiled(compiled_runs):
     assert zs["memory"]["layers_compressed"] == 10
     assert zs["tokens"] == base["tokens"]
     assert zs["logprobs"] == base["logprobs"]  # exact float equality
+
+
+def test_fast_mode_compiled_within_bound(compiled_runs):
+    """Fast mode traced by vLLM's compile (zipserv::gemm with the fused CPU kernel)."""
+    fast = compiled_runs["fast"]
+    assert fast["graphs"] >= 1
+    assert 0 < max_score_diff(fast, compiled_runs["base"]) <= FAST_LOGPROB_TOL

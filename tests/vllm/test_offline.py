@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from zs_e2e import PROMPTS, run_engine
+from zs_e2e import FAST_LOGPROB_TOL, PROMPTS, max_score_diff as _max_score_diff, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,6 @@ def llama_fast_corrupt(vllm_env, llama_dirs, llama_runs, tmp_path_factory):
     return _fast_run(d, llama_runs["base"])
 
 
-def _max_score_diff(run, base) -> float:
-    assert run["score_seqs"] == base["score_seqs"]
-    diffs = [abs(a - b) for ra, rb in zip(run["scores"], base["scores"]) for a, b in zip(ra, rb)]
-    assert len(diffs) >= len(PROMPTS) * 10
-    return max(diffs)
-
-
 def _same(a, b):
     assert a["tokens"] == b["tokens"]
     assert a["logprobs"] == b["logprobs"]  # exact float equality: bit-identical logits
@@ -110,16 +103,6 @@ def test_qwen2_biases_tied_embeddings_non_tile_shapes(qwen2_runs, way):
     mem = qwen2_runs[way]["memory"]
     # tied lm_head shares the embedding's arena data: 2 x 4 linear + 1 embedding
     assert mem["layers_compressed"] == 9 and mem["layers_bf16"] == 0
-
-
-# Fast mode's GEMM sums in another order than torch's BF16 GEMM and rounds each
-# output to BF16 once: each layer output may differ by about one BF16 ulp
-# (2^-8 relative), and the differences grow through the layers. On the tiny test
-# model (2 layers, weights N(0, 0.08^2)) the teacher-forced logprobs differed by
-# at most 0.032 nats (measured; docs/VLLM.md). FAST_LOGPROB_TOL = 0.1 leaves a 3x
-# margin above that; the negative control (one 64x64 tile = 4096 of the model's
-# ~1.8 M linear weights altered) moved them by 1.88 nats, and must exceed 5x the bound.
-FAST_LOGPROB_TOL = 0.1
 
 
 def test_fast_mode_teacher_forced_logprobs_close_to_bf16(llama_fast, llama_runs):
