@@ -13,37 +13,30 @@ inductor in test_traceable.py).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from zs_e2e import FAST_LOGPROB_TOL, max_score_diff, run_engine
+from zs_e2e import FAST_LOGPROB_TOL, max_score_diff
+
+HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(vllm_env, llama_dirs):
-    import torch
-
+def compiled_runs(vllm_env, llama_dirs, tmp_path_factory):
+    """base (BF16), zipserv exact and zipserv fast (pack at load), all compiled, in one fresh process."""
     bf16, _ = llama_dirs
-    old = os.environ.get("VLLM_CPU_CI_ENV")
-    os.environ["VLLM_CPU_CI_ENV"] = "1"
-    try:
-        runs = {}
-        for name, mode, kw in (("base", "exact", {"score": "self"}), ("exact", "exact", {"quantization": "zipserv"}),
-                               ("fast", "fast", {"quantization": "zipserv"})):
-            if name == "fast":
-                kw["score"] = runs["base"]["score_seqs"]
-            os.environ["ZIPSERV_MODE"] = mode
-            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            runs[name] = run_engine(bf16, chat=False, enforce_eager=False, **kw)
-            runs[name]["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-        return runs
-    finally:
-        os.environ["ZIPSERV_MODE"] = "exact"
-        if old is None:
-            os.environ.pop("VLLM_CPU_CI_ENV", None)
-        else:
-            os.environ["VLLM_CPU_CI_ENV"] = old
+    out = tmp_path_factory.mktemp("compile") / "runs.json"
+    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(HERE / "compile_worker.py"), str(out), str(bf16)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"compile worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def test_exact_mode_compiled_identical_to_bf16_compiled(compiled_runs):
