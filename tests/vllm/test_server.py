@@ -10,55 +10,20 @@ stopped in the fixture's teardown; every wait is bounded.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 
+from zipserv_vllm import serve
+
 READY_TIMEOUT = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model, port, log, extra=()):
-    cmd = [sys.executable, "-m", "zipserv_vllm.serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128",
-           "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0", *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+SERVER_ARGS = ("--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128",
+               "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0")
 
 
 def _wait_ready(proc, port, logpath):
-    deadline = time.time() + READY_TIMEOUT
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{logpath.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"server on port {port} not ready after {READY_TIMEOUT} s:\n{logpath.read_text()[-4000:]}")
-
-
-def _stop(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    try:
+        serve.wait_ready(proc, port, READY_TIMEOUT)
+    except (RuntimeError, TimeoutError) as exc:
+        pytest.fail(f"{exc}:\n{logpath.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +34,16 @@ def servers(vllm_env, llama_dirs, tmp_path_factory):
     procs, ports, files = {}, {}, []
     try:
         for name, (model, extra) in specs.items():
-            ports[name] = _free_port()
+            ports[name] = serve.free_port()
             f = open(logs / f"{name}.log", "w")
             files.append(f)
-            procs[name] = _start(model, ports[name], f, extra)
+            procs[name] = serve.start_server(model, ports[name], (*SERVER_ARGS, *extra), log=f)
         for name in specs:
             _wait_ready(procs[name], ports[name], logs / f"{name}.log")
         yield {n: f"http://127.0.0.1:{p}/v1" for n, p in ports.items()}, logs
     finally:
         for p in procs.values():
-            _stop(p)
+            serve.stop_server(p)
         for f in files:
             f.close()
 
