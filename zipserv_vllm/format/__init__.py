@@ -4,6 +4,6 @@ Imports no vLLM and needs no native extension.
 """
 
 from . import reference, spec
-from .tensor import CompressedTensor, FormatError, grid, high_counts, segment_lengths
+from .tensor import CompressedTensor, FormatError, grid, high_counts, parse_meta, segment_lengths
 
-__all__ = ["CompressedTensor", "FormatError", "grid", "high_counts", "reference", "segment_lengths", "spec"]
+__all__ = ["CompressedTensor", "FormatError", "grid", "high_counts", "parse_meta", "reference", "segment_lengths", "spec"]

@@ -61,6 +61,20 @@ def _gather_segments(stream: torch.Tensor, starts: np.ndarray, lengths: np.ndarr
     return out
 
 
+def parse_meta(values, name: str = "tensor") -> tuple[int, int, int, int, int]:
+    """(magic, version, M, K, crc32) of a ``zs_meta``; FormatError naming ``name``
+    unless the magic is ours and the version is supported."""
+    magic, version, m, k, crc = (int(x) for x in values)
+    if magic != spec.MAGIC:
+        raise FormatError(f"{name}: bad magic 0x{magic & 0xFFFFFFFFFFFFFFFF:X}, expected 0x{spec.MAGIC:X}: not a zipserv tensor")
+    if version not in spec.SUPPORTED_VERSIONS:
+        raise FormatError(
+            f"{name}: format version {version} is not supported by this zipserv-vllm "
+            f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})"
+        )
+    return magic, version, m, k, crc
+
+
 @dataclass(eq=False)
 class CompressedTensor:
     """A BF16 matrix of ``shape`` [M, K] in TCA-TBE v1.
@@ -145,14 +159,7 @@ class CompressedTensor:
         meta = arrays["zs_meta"]
         if meta.dtype != torch.int64 or meta.shape != (spec.META_LEN,):
             raise FormatError(f"{name}: zs_meta must be int64 [{spec.META_LEN}], got {meta.dtype} {tuple(meta.shape)}")
-        magic, version, m, k, crc = (int(x) for x in meta.tolist())
-        if magic != spec.MAGIC:
-            raise FormatError(f"{name}: bad magic 0x{magic & 0xFFFFFFFFFFFFFFFF:X}, expected 0x{spec.MAGIC:X}: not a zipserv tensor")
-        if version not in spec.SUPPORTED_VERSIONS:
-            raise FormatError(
-                f"{name}: format version {version} is not supported by this zipserv-vllm "
-                f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})"
-            )
+        magic, version, m, k, crc = parse_meta(meta.tolist(), name)
         ct = cls((m, k), arrays["zs_bitmaps"], arrays["zs_base"], arrays["zs_offsets"],
                  arrays["zs_sm"], arrays["zs_fb"], crc, version)
         ct.validate(name)

@@ -21,14 +21,13 @@ Pre-compressed checkpoints follow "record first, execute later"
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..codec import compress_tensor, decompress_tensor
-from ..format import CompressedTensor, FormatError, spec
+from ..format import CompressedTensor, FormatError, parse_meta, spec
 from .arena import PageTable, PagedArena
 from .log import logger
 from .tiles import TilePlan, compressed_from_table, store_compressed
@@ -223,21 +222,17 @@ def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> Comp
     Magic, version, dtypes and grid shapes are checked here; segment offsets are
     checked when the rank's tiles are selected and again on the rank's arrays,
     so a rank never reads other ranks' metadata just to validate it."""
-    name = _ckpt_name(state, shard, "weight")
+    meta_name = _ckpt_name(state, shard, "zs_meta")
     meta = arrays["zs_meta"]
     if meta.dtype != torch.int64 or tuple(meta.shape) != (spec.META_LEN,):
-        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'zs_meta')}: "
+        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: "
                                f"must be int64 [{spec.META_LEN}], got {meta.dtype} {list(meta.shape)}")
-    magic, version, m, k, crc = (int(x) for x in meta.tolist())
-    if magic != spec.MAGIC:
-        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'zs_meta')}: "
-                               f"bad magic 0x{magic & 0xFFFFFFFFFFFFFFFF:X}, expected 0x{spec.MAGIC:X}")
-    if version not in spec.SUPPORTED_VERSIONS:
-        raise ZipServLoadError(
-            f"zipserv: {_ckpt_name(state, shard, 'zs_meta')}: format version {version} is not supported "
-            f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
+    try:
+        _, version, m, k, crc = parse_meta(meta.tolist(), f"zipserv: {meta_name}")
+    except FormatError as exc:
+        raise ZipServLoadError(str(exc)) from None
     if m < 1 or k < 1:
-        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'zs_meta')}: shape [{m}, {k}]")
+        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: shape [{m}, {k}]")
     ct = CompressedTensor((m, k), arrays["zs_bitmaps"], arrays["zs_base"], arrays["zs_offsets"],
                           arrays["zs_sm"], arrays["zs_fb"], crc, version)
     mt, kt = ct.grid

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..format import spec
+from ..format import FormatError, parse_meta, spec
 
 _DTYPES = {"zs_meta": "I64", "zs_bitmaps": "I64", "zs_base": "U8", "zs_offsets": "I64", "zs_sm": "U8", "zs_fb": "I16"}
 _RANKS = {"zs_meta": 1, "zs_bitmaps": 4, "zs_base": 2, "zs_offsets": 3, "zs_sm": 1, "zs_fb": 1}
@@ -105,12 +105,8 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
         with open(path, "rb") as f:
             f.seek(data_start + info["data_offsets"][0])
             meta = np.frombuffer(f.read(8 * spec.META_LEN), dtype="<i8")
-        magic, version = int(meta[0]), int(meta[1])
-        if magic != spec.MAGIC:
-            raise CheckpointError(f"zipserv: corrupt checkpoint tensor {prefix}.zs_meta: bad magic "
-                                  f"0x{magic & 0xFFFFFFFFFFFFFFFF:X}, expected 0x{spec.MAGIC:X}")
-        if version not in spec.SUPPORTED_VERSIONS:
-            raise CheckpointError(
-                f"zipserv: {prefix}.zs_meta: format version {version} is not supported by this zipserv-vllm "
-                f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
+        try:
+            parse_meta(meta.tolist(), f"zipserv: {prefix}.zs_meta")
+        except FormatError as exc:
+            raise CheckpointError(str(exc)) from None
     return {"shards": len(files), "compressed": len(groups), "uncompressed_weights": len(weights)}
