@@ -29,7 +29,12 @@ extensions = [
 ]
 if glob.glob("csrc/cpu_gemm/*.cpp"):
     extensions.append(
-        Pybind11Extension("zipserv_vllm._cpu_gemm", sorted(glob.glob("csrc/cpu_gemm/*.cpp")), **COMMON)
+        # OpenMP: the kernels run on torch's own libgomp threads (csrc/cpu_gemm/parallel.cpp).
+        Pybind11Extension(
+            "zipserv_vllm._cpu_gemm", sorted(glob.glob("csrc/cpu_gemm/*.cpp")),
+            **{**COMMON, "extra_compile_args": COMMON["extra_compile_args"] + ["-fopenmp"],
+               "extra_link_args": COMMON["extra_link_args"] + ["-fopenmp"]},
+        )
     )
 
 # ``zipserv_vllm._emul``: host build of the CUDA kernels' index math and

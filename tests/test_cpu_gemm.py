@@ -304,7 +304,7 @@ def test_eager_bypass_equals_op_and_traces():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_fork_after_use_does_not_deadlock():
-    """A forked child has none of the parent's pool threads; it must build its own."""
+    """GNU OpenMP cannot start a team in a forked child: the kernel must run there on the calling thread."""
     w = _weight(256, 128, seed=91)
     ct = compress_tensor(w)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(92)).bfloat16()

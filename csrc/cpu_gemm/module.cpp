@@ -3,8 +3,8 @@
 // Arrays arrive as NumPy views of the CompressedTensor's torch tensors (no
 // torch C++ ABI). This file checks them (shapes, dtypes, contiguity; the
 // per-tile segment bounds are checked by the kernels), picks the kernel for
-// the requested ISA and runs it on the persistent thread pool with the GIL
-// released.
+// the requested ISA and runs it on torch's OpenMP threads (parallel.cpp)
+// with the GIL released.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

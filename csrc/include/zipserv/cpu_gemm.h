@@ -113,9 +113,10 @@ inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
   }
 }
 
-// Runs fn(tm0, tm1) over [0, items) on `threads` threads of the persistent pool
-// (the caller is one of them). Items are handed out dynamically; every item is
-// computed entirely by one thread, so results do not depend on `threads`.
+// Runs fn(tm0, tm1) over [0, items) on `threads` OpenMP threads (torch's own
+// team; the caller is one of them; parallel.cpp). Items are handed out
+// dynamically; every item is computed entirely by one thread, so results do
+// not depend on `threads`.
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
 
 }  // namespace cpu

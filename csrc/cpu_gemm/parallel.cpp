@@ -1,0 +1,56 @@
+// Work splitting of the fused CPU GEMM over torch's own OpenMP threads.
+//
+// The extension is built with -fopenmp against libgomp.so.1. torch's CPU
+// build ships and loads a libgomp.so.1 first (zipserv_vllm imports torch
+// before the extension), and the dynamic loader resolves by soname, so these
+// parallel regions run on the very threads torch's intra-op parallelism (and
+// vLLM's CPU worker, which binds them to cores) uses. An earlier version ran
+// its own std::thread pool: after every torch op torch's OpenMP workers keep
+// spinning for a while, and on a machine with as many threads as cores the
+// two sets of threads took the cores from each other (a synthetic decode
+// step: 0.51x of BF16 with the pool, docs/CPU.md).
+//
+// GNU OpenMP cannot start a parallel region in a process forked from one
+// whose threads have run (it waits for workers that do not exist in the
+// child; torch's own ops hang there too). A forked child therefore runs the
+// kernel on its calling thread only.
+#include <omp.h>
+#include <pthread.h>
+
+#include <atomic>
+#include <mutex>
+
+#include "zipserv/cpu_gemm.h"
+
+namespace zipserv {
+namespace cpu {
+namespace {
+
+std::atomic<bool> g_forked{false};
+std::once_flag g_atfork_once;
+
+void mark_forked() { g_forked.store(true); }
+
+}  // namespace
+
+void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, mark_forked); });
+  if (items <= 0) return;
+  if (threads > items) threads = static_cast<int>(items);
+  if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {
+    fn(ctx, 0, items);
+    return;
+  }
+  // Tile rows handed out one at a time (their cost varies with the tile
+  // contents and with what else the cores are doing).
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      fn(ctx, i, i + 1);
+  }
+}
+
+}  // namespace cpu
+}  // namespace zipserv
