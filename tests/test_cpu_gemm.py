@@ -302,6 +302,26 @@ def test_eager_bypass_equals_op_and_traces():
     assert torch.equal(_bits(traced(x)), _bits(eager))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_kernel_runs_on_torchs_openmp_runtime():
+    """The extension links libgomp and the process holds exactly one copy: torch's threads run the kernel.
+
+    (A second OpenMP runtime, or threads of our own, would compete with torch's
+    spinning workers for the cores: docs/CPU.md, "Work split".)"""
+    w = _weight(256, 128, seed=95)
+    ct = compress_tensor(w)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(96)).bfloat16()
+    cpu_kernels.fused_linear(x, ct, threads=2)
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    gomp = {p for p in libs if os.path.basename(p).startswith("libgomp")}
+    ext = [p for p in libs if "_cpu_gemm" in os.path.basename(p)]
+    assert ext, "the _cpu_gemm extension is not mapped"
+    assert len(gomp) == 1, f"expected one OpenMP runtime in the process, found {sorted(gomp)}"
+    with open(ext[0], "rb") as f:
+        assert b"GOMP_parallel" in f.read(), "the extension does not use OpenMP (built without -fopenmp?)"
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_fork_after_use_does_not_deadlock():
     """GNU OpenMP cannot start a team in a forked child: the kernel must run there on the calling thread."""
