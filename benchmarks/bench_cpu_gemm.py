@@ -13,8 +13,8 @@ thread count on both sides (1 and 2 threads):
 A second table ("threshold") runs larger N on 4096x4096 (fused vs bf16 vs
 decode + F.linear = mode "exact") to justify the dispatch threshold.
 
-Medians of --reps interleaved repetitions (the calls alternate, so a noisy
-neighbour slows all sides alike); wall clock, plus the caller thread's CPU time
+Medians of --reps interleaved repetitions (--reps-n1 at N = 1; the calls
+alternate, so a noisy neighbour slows all sides alike); wall clock, plus the caller thread's CPU time
 for 1-thread runs (meaningful when other jobs share the cores). The load
 average before and after is recorded: on a shared machine read ratios, not
 absolute times.
@@ -78,6 +78,8 @@ def timed(fns: dict, reps: int, warmup: int = 2) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps-n1", type=int, default=31,
+                    help="repetitions at N = 1 (fast calls; the ratio there is the noisiest on a shared host)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--quick", action="store_true", help="4096x4096 only, fewer reps (smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_cpu_gemm.json"))
@@ -105,7 +107,7 @@ def main() -> int:
                     "bf16": lambda: F.linear(x, w),
                     "fused": lambda: cpu_kernels.fused_linear(x, ct, threads=t),
                     "dispatch": lambda: zipserv_vllm.linear(x, ct, mode="fast"),
-                }, reps)
+                }, max(reps, args.reps_n1) if n == 1 and not args.quick else reps)
                 row = dict(M=m, K=k, N=n, threads=t, bits_per_weight=round(bits, 3),
                            bf16_ms=r["bf16"][0] * 1e3, fused_ms=r["fused"][0] * 1e3,
                            dispatch_ms=r["dispatch"][0] * 1e3, dispatch_path=path,
@@ -142,7 +144,7 @@ def main() -> int:
         benchmark="bench_cpu_gemm",
         machine=dict(platform=platform.platform(), cpu=platform.processor() or "unknown",
                      cores=os.cpu_count(), isas=cpu_kernels.isas(), torch=torch.__version__),
-        fused_max_n=cpu_kernels.fused_max_n(), reps=reps,
+        fused_max_n=cpu_kernels.fused_max_n(), reps=reps, reps_n1=reps if args.quick else max(reps, args.reps_n1),
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
         rows=rows, threshold=thr_rows,
         notes="medians of interleaved reps; *_cpu_ms = caller-thread CPU time (1-thread runs only)",

@@ -13,7 +13,7 @@ the four linears (qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down
 
 Medians of --reps interleaved repetitions; writes
 benchmarks/results/bench_cpu_step.json and prints the ratio.
-Run: .venv/bin/python benchmarks/bench_cpu_step.py [--layers 4] [--reps 9]
+Run: .venv/bin/python benchmarks/bench_cpu_step.py [--layers 4] [--reps 31]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="distinct layers (weights are not shared between them)")
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-between", action="store_true", help="no torch op between the linears")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_cpu_step.json"))
