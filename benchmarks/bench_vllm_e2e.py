@@ -11,7 +11,10 @@ Decode is measured separately from prefill: for each batch size the same
 prompts are generated greedily (``ignore_eos``) with ``--short`` and ``--long``
 new tokens; decode tokens/s = batch * (long - short) / (t_long - t_short),
 so the prefill and the first token cancel out. Each (batch, length) is timed
-``--reps`` times after one warm-up generation; medians are reported.
+``--reps`` times after one warm-up generation; medians are reported. With
+``--rounds R`` every variant's engine is started R times, the variants
+alternating, and the medians are taken over all R x reps repetitions (a slow
+period of a shared host then hits every variant).
 
     python benchmarks/bench_vllm_e2e.py                    # 1b, batch 1 and 8
     python benchmarks/bench_vllm_e2e.py --size tiny --reps 2   # quick check
@@ -39,6 +42,20 @@ VARIANTS = {  # name -> (checkpoint, ZIPSERV_MODE)
     "zipserv_exact": ("zs", "exact"),
 }
 PROMPT_WORDS = "the quick brown fox jumps over the lazy dog while memory bandwidth limits decode".split()
+
+
+def _summary(b: int, short: int, long: int, ts: list, tl: list, toks) -> dict:
+    """Medians and decode tokens/s of one batch size from paired short / long generation times."""
+    t_s, t_l = statistics.median(ts), statistics.median(tl)
+    return {
+        "t_short_s": [round(x, 4) for x in ts], "t_long_s": [round(x, 4) for x in tl],
+        "median_short_s": round(t_s, 4), "median_long_s": round(t_l, 4),
+        "decode_tok_s": round(b * (long - short) / (t_l - t_s), 3),
+        "decode_ms_per_step": round(1000 * (t_l - t_s) / (long - short), 2),
+        # the same from each repetition's own (long, short) pair: shows the run-to-run noise
+        "decode_tok_s_per_rep": [round(b * (long - short) / (a - c), 3) if a > c else None for a, c in zip(tl, ts)],
+        "tokens": toks,
+    }
 
 
 def child(model: str, batches: list[int], short: int, long: int, reps: int, exact_reps: int) -> dict:
@@ -72,16 +89,7 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
             ts.append(gen(short)[0])
             dt, toks = gen(long)
             tl.append(dt)
-        t_s, t_l = statistics.median(ts), statistics.median(tl)
-        out["batches"][str(b)] = {
-            "t_short_s": [round(x, 4) for x in ts], "t_long_s": [round(x, 4) for x in tl],
-            "median_short_s": round(t_s, 4), "median_long_s": round(t_l, 4),
-            "decode_tok_s": round(b * (long - short) / (t_l - t_s), 3),
-            "decode_ms_per_step": round(1000 * (t_l - t_s) / (long - short), 2),
-            # the same from each repetition's own (long, short) pair: shows the run-to-run noise
-            "decode_tok_s_per_rep": [round(b * (long - short) / (a - c), 3) if a > c else None for a, c in zip(tl, ts)],
-            "tokens": toks,
-        }
+        out["batches"][str(b)] = _summary(b, short, long, ts, tl, toks)
     return out
 
 
@@ -106,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short", type=int, default=4, help="new tokens of the short generation")
     ap.add_argument("--long", type=int, default=36, help="new tokens of the long generation")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants' engines this many times each, alternating; medians over all repetitions")
     ap.add_argument("--exact-reps", type=int, default=1, help="repetitions for exact mode (it decodes every weight each step)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
@@ -114,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if args.rounds < 1 or args.reps < 1:
+        print("error: --rounds and --reps must be >= 1", file=sys.stderr)
+        return 2
     if args.long <= args.short:
         print(f"error: --long ({args.long}) must be larger than --short ({args.short})", file=sys.stderr)
         return 2
@@ -129,7 +142,7 @@ def main(argv=None) -> int:
     results = {"benchmark": "bench_vllm_e2e", "host": os.uname().nodename, "cpus": os.cpu_count(),
                "model": {"size": args.size, "config": SIZES[args.size], **info},
                "settings": {"batches": batches, "short": args.short, "long": args.long, "reps": args.reps,
-                            "exact_reps": args.exact_reps, "enforce_eager": True, "greedy": True, "ignore_eos": True},
+                            "exact_reps": args.exact_reps, "rounds": args.rounds, "enforce_eager": True, "greedy": True, "ignore_eos": True},
                "runs": {}}
     try:
         import vllm.version as vv
@@ -142,10 +155,21 @@ def main(argv=None) -> int:
         results["loadavg_at_start"] = [round(x, 2) for x in load]
     except OSError:
         pass
-    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        ckpt, mode = VARIANTS[name]
-        print(f"running {name} ...", flush=True)
-        results["runs"][name] = _run_child(dirs[ckpt], mode, args)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    per_round = {name: [] for name in names}
+    for rnd in range(args.rounds):  # variants alternate, so slow periods of a shared host hit all of them
+        for name in names:
+            ckpt, mode = VARIANTS[name]
+            print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
+            per_round[name].append(_run_child(dirs[ckpt], mode, args))
+    for name, runs in per_round.items():
+        merged = {"engine_start_s": [r["engine_start_s"] for r in runs], "torch_threads": runs[0]["torch_threads"],
+                  "batches": {}}
+        for b in runs[0]["batches"]:
+            ts = [t for r in runs for t in r["batches"][b]["t_short_s"]]
+            tl = [t for r in runs for t in r["batches"][b]["t_long_s"]]
+            merged["batches"][b] = _summary(int(b), args.short, args.long, ts, tl, runs[-1]["batches"][b]["tokens"])
+        results["runs"][name] = merged
     base = results["runs"].get("bf16")
     for name, r in results["runs"].items():
         for b, m in r["batches"].items():
