@@ -14,7 +14,9 @@ so the prefill and the first token cancel out. Each (batch, length) is timed
 ``--reps`` times after one warm-up generation; medians are reported. With
 ``--rounds R`` every variant's engine is started R times, the variants
 alternating, and the medians are taken over all R x reps repetitions (a slow
-period of a shared host then hits every variant).
+period of a shared host then hits every variant). With ``--interleave`` all
+variants' engines stay loaded at once (one process each) and every repetition
+runs each of them in turn, the closest pairing this benchmark offers.
 
     python benchmarks/bench_vllm_e2e.py                    # 1b, batch 1 and 8
     python benchmarks/bench_vllm_e2e.py --size tiny --reps 2   # quick check
@@ -93,6 +95,100 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
     return out
 
 
+def serve_child(model: str, max_seqs: int) -> int:
+    """--interleave subprocess: start the engine, then answer "gen BATCH TOKENS" lines from stdin."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
+              seed=0, disable_log_stats=True, max_num_seqs=max_seqs)
+    print("BENCH_READY " + json.dumps({"engine_start_s": round(time.perf_counter() - t0, 2),
+                                       "torch_threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] != "gen":
+            break
+        b, n = int(cmd[1]), int(cmd[2])
+        prompts = [" ".join(PROMPT_WORDS[i % 5 : i % 5 + 8]) for i in range(b)]
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        print("BENCH_GEN " + json.dumps({"dt": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+    return 0
+
+
+class _Engine:
+    """One --interleave subprocess (its engine stays loaded between requests)."""
+
+    def __init__(self, model: Path, mode: str | None, max_seqs: int, log_path: Path):
+        env = dict(os.environ)
+        env.pop("ZIPSERV_MODE", None)
+        if mode:
+            env["ZIPSERV_MODE"] = mode
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-child", str(model), "--batches", str(max_seqs)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.info = self._read("BENCH_READY ")
+
+    def _read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return json.loads(line[len(tag):])
+        raise RuntimeError(f"benchmark engine exited (rc {self.proc.wait()}); see {self.log.name}")
+
+    def gen(self, batch: int, tokens: int) -> dict:
+        self.proc.stdin.write(f"gen {batch} {tokens}\n")
+        self.proc.stdin.flush()
+        return self._read("BENCH_GEN ")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+def _interleaved(dirs: dict, names: list, batches: list, args) -> dict:
+    """All variants' engines loaded at once; every repetition runs each of them in turn."""
+    engines = {}
+    try:
+        for name in names:
+            ckpt, mode = VARIANTS[name]
+            print(f"starting {name} ...", flush=True)
+            engines[name] = _Engine(dirs[ckpt], mode, max(batches), Path(args.workdir) / f"interleave-{name}.log")
+        runs = {name: {"engine_start_s": e.info["engine_start_s"], "torch_threads": e.info["torch_threads"],
+                       "batches": {}} for name, e in engines.items()}
+        for b in batches:
+            ts = {n: [] for n in names}
+            tl = {n: [] for n in names}
+            toks = {}
+            for e in engines.values():
+                e.gen(b, args.short)  # warm-up
+            for rep in range(args.reps):
+                print(f"  batch {b}: repetition {rep + 1} of {args.reps}", flush=True)
+                for name, e in engines.items():
+                    if VARIANTS[name][1] == "exact" and rep >= args.exact_reps:
+                        continue
+                    ts[name].append(e.gen(b, args.short)["dt"])
+                    r = e.gen(b, args.long)
+                    tl[name].append(r["dt"])
+                    toks[name] = r["tokens"]
+            for name in names:
+                runs[name]["batches"][str(b)] = _summary(b, args.short, args.long, ts[name], tl[name], toks[name])
+        return runs
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def _run_child(model: Path, mode: str | None, args) -> dict:
     env = dict(os.environ)
     env.pop("ZIPSERV_MODE", None)
@@ -121,7 +217,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vllm_e2e.json"))
     ap.add_argument("--timeout", type=int, default=2400)
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep every variant's engine loaded (one process each) and alternate them repetition by "
+                         "repetition: the fairest comparison on a noisy host (needs memory for all models at once)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.rounds < 1 or args.reps < 1:
@@ -130,6 +230,8 @@ def main(argv=None) -> int:
     if args.long <= args.short:
         print(f"error: --long ({args.long}) must be larger than --short ({args.short})", file=sys.stderr)
         return 2
+    if args.serve_child:
+        return serve_child(args.serve_child, max(batches))
     if args.child:
         print("BENCH_JSON " + json.dumps(child(args.child, batches, args.short, args.long, args.reps, args.exact_reps)),
               flush=True)
@@ -142,7 +244,7 @@ def main(argv=None) -> int:
     results = {"benchmark": "bench_vllm_e2e", "host": os.uname().nodename, "cpus": os.cpu_count(),
                "model": {"size": args.size, "config": SIZES[args.size], **info},
                "settings": {"batches": batches, "short": args.short, "long": args.long, "reps": args.reps,
-                            "exact_reps": args.exact_reps, "rounds": args.rounds, "enforce_eager": True, "greedy": True, "ignore_eos": True},
+                            "exact_reps": args.exact_reps, "rounds": args.rounds, "interleave": args.interleave, "enforce_eager": True, "greedy": True, "ignore_eos": True},
                "runs": {}}
     try:
         import vllm.version as vv
@@ -157,7 +259,10 @@ def main(argv=None) -> int:
         pass
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     per_round = {name: [] for name in names}
-    for rnd in range(args.rounds):  # variants alternate, so slow periods of a shared host hit all of them
+    if args.interleave:
+        for name, run in _interleaved(dirs, names, batches, args).items():
+            per_round[name].append(run)
+    for rnd in range(0 if args.interleave else args.rounds):  # variants alternate, so slow periods of a shared host hit all of them
         for name in names:
             ckpt, mode = VARIANTS[name]
             print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
