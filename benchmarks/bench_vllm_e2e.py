@@ -60,36 +60,45 @@ def _summary(b: int, short: int, long: int, ts: list, tl: list, toks) -> dict:
     }
 
 
-def child(model: str, batches: list[int], short: int, long: int, reps: int, exact_reps: int) -> dict:
-    """In the subprocess: start the engine, time generations, report."""
+def _engine(model: str, max_seqs: int):
+    """One real vLLM engine (in-process engine core, eager) on ``model``, and its start time."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
-              seed=0, disable_log_stats=True, max_num_seqs=max(batches))
-    start_s = time.perf_counter() - t0
+              seed=0, disable_log_stats=True, max_num_seqs=max_seqs)
+    return llm, round(time.perf_counter() - t0, 2)
+
+
+def _generate(llm, batch: int, tokens: int) -> tuple[float, list]:
+    """Greedy generation of exactly ``tokens`` new tokens for ``batch`` prompts: (seconds, token ids)."""
+    from vllm import SamplingParams
+
+    prompts = [" ".join(PROMPT_WORDS[i % 5 : i % 5 + 8]) for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def child(model: str, batches: list[int], short: int, long: int, reps: int, exact_reps: int) -> dict:
+    """In the subprocess: start the engine, time generations, report."""
+    import torch
+
+    llm, start_s = _engine(model, max(batches))
     if os.environ.get("ZIPSERV_MODE") == "exact":
         reps = exact_reps
-    out = {"engine_start_s": round(start_s, 2), "torch_threads": torch.get_num_threads(), "batches": {}}
+    out = {"engine_start_s": start_s, "torch_threads": torch.get_num_threads(), "batches": {}}
     for b in batches:
-        prompts = [" ".join(PROMPT_WORDS[i % 5 : i % 5 + 8]) for i in range(b)]
-
-        def gen(n):
-            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
-            assert all(len(o.outputs[0].token_ids) == n for o in outs)
-            return dt, [list(o.outputs[0].token_ids) for o in outs]
-
-        gen(short)  # warm-up
+        _generate(llm, b, short)  # warm-up
         ts, tl, toks = [], [], None
         for _ in range(reps):
-            ts.append(gen(short)[0])
-            dt, toks = gen(long)
+            ts.append(_generate(llm, b, short)[0])
+            dt, toks = _generate(llm, b, long)
             tl.append(dt)
         out["batches"][str(b)] = _summary(b, short, long, ts, tl, toks)
     return out
@@ -97,28 +106,17 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
 
 def serve_child(model: str, max_seqs: int) -> int:
     """--interleave subprocess: start the engine, then answer "gen BATCH TOKENS" lines from stdin."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from vllm import LLM, SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
-              seed=0, disable_log_stats=True, max_num_seqs=max_seqs)
-    print("BENCH_READY " + json.dumps({"engine_start_s": round(time.perf_counter() - t0, 2),
-                                       "torch_threads": torch.get_num_threads()}), flush=True)
+    llm, start_s = _engine(model, max_seqs)
+    print("BENCH_READY " + json.dumps({"engine_start_s": start_s, "torch_threads": torch.get_num_threads()}),
+          flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] != "gen":
             break
-        b, n = int(cmd[1]), int(cmd[2])
-        prompts = [" ".join(PROMPT_WORDS[i % 5 : i % 5 + 8]) for i in range(b)]
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        print("BENCH_GEN " + json.dumps({"dt": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        dt, toks = _generate(llm, int(cmd[1]), int(cmd[2]))
+        print("BENCH_GEN " + json.dumps({"dt": dt, "tokens": toks}), flush=True)
     return 0
 
 
