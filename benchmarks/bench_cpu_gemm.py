@@ -14,10 +14,10 @@ A second table ("threshold") runs larger N on 4096x4096 (fused vs bf16 vs
 decode + F.linear = mode "exact") to justify the dispatch threshold.
 
 Medians of --reps interleaved repetitions (--reps-n1 at N = 1; the calls
-alternate, so a noisy neighbour slows all sides alike); wall clock, plus the caller thread's CPU time
-for 1-thread runs (meaningful when other jobs share the cores). The load
-average before and after is recorded: on a shared machine read ratios, not
-absolute times.
+alternate, so a noisy neighbour slows all sides alike); wall clock, plus the
+caller thread's CPU time for 1-thread runs (meaningful when other jobs share
+the cores). The load average before and after is recorded: on a shared machine
+read ratios, not absolute times.
 
 Writes benchmarks/results/bench_cpu_gemm.json and prints a table.
 Run: .venv/bin/python benchmarks/bench_cpu_gemm.py [--reps 9] [--quick]
@@ -89,6 +89,7 @@ def main() -> int:
         return 1
     shapes = SHAPES[:1] if args.quick else SHAPES
     reps = 3 if args.quick else args.reps
+    reps_n1 = reps if args.quick else max(reps, args.reps_n1)
     threads = [int(t) for t in args.threads.split(",")]
     load_before = os.getloadavg()
     rows, thr_rows = [], []
@@ -107,7 +108,7 @@ def main() -> int:
                     "bf16": lambda: F.linear(x, w),
                     "fused": lambda: cpu_kernels.fused_linear(x, ct, threads=t),
                     "dispatch": lambda: zipserv_vllm.linear(x, ct, mode="fast"),
-                }, max(reps, args.reps_n1) if n == 1 and not args.quick else reps)
+                }, reps_n1 if n == 1 else reps)
                 row = dict(M=m, K=k, N=n, threads=t, bits_per_weight=round(bits, 3),
                            bf16_ms=r["bf16"][0] * 1e3, fused_ms=r["fused"][0] * 1e3,
                            dispatch_ms=r["dispatch"][0] * 1e3, dispatch_path=path,
@@ -144,7 +145,7 @@ def main() -> int:
         benchmark="bench_cpu_gemm",
         machine=dict(platform=platform.platform(), cpu=platform.processor() or "unknown",
                      cores=os.cpu_count(), isas=cpu_kernels.isas(), torch=torch.__version__),
-        fused_max_n=cpu_kernels.fused_max_n(), reps=reps, reps_n1=reps if args.quick else max(reps, args.reps_n1),
+        fused_max_n=cpu_kernels.fused_max_n(), reps=reps, reps_n1=reps_n1,
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
         rows=rows, threshold=thr_rows,
         notes="medians of interleaved reps; *_cpu_ms = caller-thread CPU time (1-thread runs only)",

@@ -124,13 +124,10 @@ class _Engine:
     """One --interleave subprocess (its engine stays loaded between requests)."""
 
     def __init__(self, model: Path, mode: str | None, max_seqs: int, log_path: Path):
-        env = dict(os.environ)
-        env.pop("ZIPSERV_MODE", None)
-        if mode:
-            env["ZIPSERV_MODE"] = mode
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve-child", str(model), "--batches", str(max_seqs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=_child_env(mode))
         self.info = self._read("BENCH_READY ")
 
     def _read(self, tag: str) -> dict:
@@ -187,14 +184,19 @@ def _interleaved(dirs: dict, names: list, batches: list, args) -> dict:
             e.close()
 
 
-def _run_child(model: Path, mode: str | None, args) -> dict:
+def _child_env(mode: str | None) -> dict:
+    """This process's environment with ZIPSERV_MODE set to ``mode`` (removed for None)."""
     env = dict(os.environ)
     env.pop("ZIPSERV_MODE", None)
     if mode:
         env["ZIPSERV_MODE"] = mode
+    return env
+
+
+def _run_child(model: Path, mode: str | None, args) -> dict:
     cmd = [sys.executable, __file__, "--child", str(model), "--batches", args.batches, "--short", str(args.short),
            "--long", str(args.long), "--reps", str(args.reps), "--exact-reps", str(args.exact_reps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_child_env(mode))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child for {model} (mode {mode}) failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=36, help="new tokens of the long generation")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run the variants' engines this many times each, alternating; medians over all repetitions")
+                    help="run the variants' engines this many times each, alternating; medians over all repetitions "
+                         "(not used with --interleave)")
     ap.add_argument("--exact-reps", type=int, default=1, help="repetitions for exact mode (it decodes every weight each step)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     results = {"benchmark": "bench_vllm_e2e", "host": os.uname().nodename, "cpus": os.cpu_count(),
                "model": {"size": args.size, "config": SIZES[args.size], **info},
                "settings": {"batches": batches, "short": args.short, "long": args.long, "reps": args.reps,
-                            "exact_reps": args.exact_reps, "rounds": args.rounds, "interleave": args.interleave, "enforce_eager": True, "greedy": True, "ignore_eos": True},
+                            "exact_reps": args.exact_reps, "rounds": args.rounds, "interleave": args.interleave,
+                            "enforce_eager": True, "greedy": True, "ignore_eos": True},
                "runs": {}}
     try:
         import vllm.version as vv
@@ -260,11 +264,12 @@ def main(argv=None) -> int:
     if args.interleave:
         for name, run in _interleaved(dirs, names, batches, args).items():
             per_round[name].append(run)
-    for rnd in range(0 if args.interleave else args.rounds):  # variants alternate, so slow periods of a shared host hit all of them
-        for name in names:
-            ckpt, mode = VARIANTS[name]
-            print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
-            per_round[name].append(_run_child(dirs[ckpt], mode, args))
+    else:
+        for rnd in range(args.rounds):  # variants alternate, so slow periods of a shared host hit all of them
+            for name in names:
+                ckpt, mode = VARIANTS[name]
+                print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
+                per_round[name].append(_run_child(dirs[ckpt], mode, args))
     for name, runs in per_round.items():
         merged = {"engine_start_s": [r["engine_start_s"] for r in runs], "torch_threads": runs[0]["torch_threads"],
                   "batches": {}}
