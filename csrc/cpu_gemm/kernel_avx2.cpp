@@ -54,12 +54,13 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
                                         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i zero = _mm256_setzero_si256();
   const uint64_t ind = pl[0] | pl[kFragsPerTile] | pl[2 * kFragsPerTile];
-  // High counts of the first three 16-element groups give each group's start.
-  const int h0 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFF));
-  const int h01 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFFFFFFull));
-  const int h012 = static_cast<int>(_mm_popcnt_u64(ind & 0xFFFFFFFFFFFFull));
+  // High counts of the first three 16-element groups give each group's start
+  // (32-bit popcnt and bzhi: one instruction each, no mask constant).
+  const int64_t h0 = _mm_popcnt_u32(static_cast<uint32_t>(ind) & 0xFFFFu);
+  const int64_t h01 = _mm_popcnt_u32(static_cast<uint32_t>(ind));
+  const int64_t h012 = _mm_popcnt_u64(_bzhi_u64(ind, 48));
   const uint8_t* sg[4] = {smp, smp + h0, smp + h01, smp + h012};
-  const int hall = static_cast<int>(_mm_popcnt_u64(ind));
+  const int64_t hall = _mm_popcnt_u64(ind);
   const __m256i b0 = _mm256_set1_epi64x(static_cast<long long>(pl[0]));
   const __m256i b1 = _mm256_set1_epi64x(static_cast<long long>(pl[kFragsPerTile]));
   const __m256i b2 = _mm256_set1_epi64x(static_cast<long long>(pl[2 * kFragsPerTile]));
@@ -85,9 +86,12 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
     assemble_lohi(c, _mm256_shuffle_epi8(sms, _mm256_add_epi8(x, iota)), thi, tlo, &lo, &hi);
     store_lohi(lo, hi, dst + 32 * h);
   }
-  fix_fallback(ind, fbp, dst);
+  // The empty asm keeps GCC from rewriting blsr(~ind) as (~ind) & (-2 - ind).
+  uint64_t nf = ~ind;
+  asm("" : "+r"(nf));
+  fix_fallback(nf, fbp, dst);
   smp += hall;
-  fbp += 64 - hall;
+  fbp += _mm_popcnt_u64(nf);
 }
 
 }  // namespace

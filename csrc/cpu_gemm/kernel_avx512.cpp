@@ -23,10 +23,11 @@
 #include "zipserv/cpu_gemm.h"
 
 #pragma GCC push_options
-// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its
-// _mm256_undefined_si256 placeholder) when its 512->256 extracts are inlined.
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized / -Wuninitialized
+// (its _mm256_undefined_si256 placeholder) when its 512->256 extracts are inlined.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vpopcntdq,avx2,fma,bmi,bmi2,popcnt")
 
 namespace zipserv {
