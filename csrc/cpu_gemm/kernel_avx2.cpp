@@ -4,8 +4,9 @@
 //
 // Per FT half (32 elements): the three bit-planes become byte masks
 // (broadcast + pshufb + and + cmpeq), giving the code bytes; an in-lane prefix
-// count of the fallback mask gives each high element's index into 16 bytes of
-// the sign-mantissa stream loaded per 16 elements, and one pshufb expands them.
+// count of the high elements (a multiply within dwords, two pshufb steps
+// across them) gives each high element's index into 16 bytes of the
+// sign-mantissa stream loaded per 16 elements, and one pshufb expands them.
 // The shared body (simd_common.inc) assembles fp32 weights and runs the FMAs.
 #include <cstdint>
 #include <cstdlib>
@@ -50,9 +51,10 @@ inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const 
 
 inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16_t*& fbp, __m256i thi,
                            __m256i tlo, uint16_t* dst) {
-  const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256i zero = _mm256_setzero_si256();
+  // Opaque to GCC, which would otherwise strength-reduce the multiply below
+  // into two shift+add pairs (4 instructions instead of 1).
+  __m256i dword_ones = _mm256_set1_epi32(0x01010101);
+  asm("" : "+x"(dword_ones));
   const uint64_t ind = pl[0] | pl[kFragsPerTile] | pl[2 * kFragsPerTile];
   // High counts of the first three 16-element groups give each group's start
   // (32-bit popcnt and bzhi: one instruction each, no mask constant).
@@ -74,16 +76,19 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
     const __m256i c = _mm256_sub_epi8(_mm256_sub_epi8(_mm256_and_si256(plane_mask(b2, shuf), _mm256_set1_epi8(4)),
                                                       plane_mask(b0, shuf)),
                                       _mm256_add_epi8(m1, m1));
-    // Inclusive prefix sum (per 16-element lane) of -1 at fallbacks: a high
-    // element at i has i + x[i] high elements before it in its lane.
-    const __m256i z = _mm256_cmpeq_epi8(c, zero);
-    __m256i x = _mm256_add_epi8(z, _mm256_slli_si256(z, 1));
-    x = _mm256_add_epi8(x, _mm256_slli_si256(x, 2));
-    x = _mm256_add_epi8(x, _mm256_slli_si256(x, 4));
-    x = _mm256_add_epi8(x, _mm256_slli_si256(x, 8));
+    // Inclusive count I of high elements per 16-element lane: within each
+    // dword one multiply (bytes 0/1 times 0x01010101; sums <= 4, no carry),
+    // then the dword totals (byte 3) of the previous one and two dwords added
+    // by pshufb. A high element i has I[i] - 1 high elements before it.
+    const __m256i hf = _mm256_min_epu8(c, _mm256_set1_epi8(1));
+    __m256i x = _mm256_mullo_epi32(hf, dword_ones);
+    x = _mm256_add_epi8(x, _mm256_shuffle_epi8(x, _mm256_setr_epi8(-1, -1, -1, -1, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11,
+                                                                   -1, -1, -1, -1, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11)));
+    x = _mm256_add_epi8(x, _mm256_shuffle_epi8(x, _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 3, 3, 3, 3, 7, 7, 7, 7,
+                                                                   -1, -1, -1, -1, -1, -1, -1, -1, 3, 3, 3, 3, 7, 7, 7, 7)));
     const __m256i sms = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(sg[2 * h])), load16(sg[2 * h + 1]), 1);
     __m256i lo, hi;
-    assemble_lohi(c, _mm256_shuffle_epi8(sms, _mm256_add_epi8(x, iota)), thi, tlo, &lo, &hi);
+    assemble_lohi(c, _mm256_shuffle_epi8(sms, _mm256_sub_epi8(x, _mm256_set1_epi8(1))), thi, tlo, &lo, &hi);
     store_lohi(lo, hi, dst + 32 * h);
   }
   // The empty asm keeps GCC from rewriting blsr(~ind) as (~ind) & (-2 - ind).
