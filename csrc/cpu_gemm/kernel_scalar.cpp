@@ -77,7 +77,7 @@ void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
           const float* x = job.x + t * job.kp + tk * kTile;
           for (int c = 0; c < kTile; ++c) {
             const int l = lane_of(c);
-            a[l] = std::fma(bf16_to_float(s.tile[r * kTile + c]), x[x_slot(c)], a[l]);
+            a[l] = std::fma(bf16_to_float(s.tile[r * kTile + c]), x[c], a[l]);
           }
         }
       }

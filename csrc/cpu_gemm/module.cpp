@@ -120,7 +120,7 @@ void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, c
     std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
     const uint16_t* xs = static_cast<const uint16_t*>(x.data());
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < k; ++c) xf[t * kp + x_slot(c)] = bf16_to_float(xs[t * k + c]);
+      for (int64_t c = 0; c < k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * k + c]);
     GemmJob job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
     GemmCtx ctx{&job, kern.gemm_rows};
     parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {

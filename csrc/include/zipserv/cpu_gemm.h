@@ -9,10 +9,10 @@
 //   * X is widened to fp32 and zero-padded to Kp = 64 * Kt columns; W's
 //     padding columns are finite (FORMAT.md section 1), so they add +0.
 //   * Output (n, m) keeps 4 fp32 lanes; lane l accumulates the columns k with
-//     (k % 8) / 2 == l (k = 2l, 2l+1, 2l+8, 2l+9, ... < Kp), in increasing k,
+//     k % 4 == l (k = l, l+4, l+8, ... < Kp), in increasing k,
 //     acc = fma(w[m][k], x[n][k], acc), starting from +0. (This is the order
-//     in which the SIMD kernels split a register of 16 BF16 words into its
-//     even and odd columns.)
+//     in which the SIMD kernels widen a register of 16 BF16 words, 8 columns
+//     of two rows, to fp32: columns 0-3, then 4-7.)
 //   * y = (lane0 + lane1) + (lane2 + lane3), then y = y + float(bias[m]),
 //     then round-to-nearest-even to bf16 like torch (any NaN -> 0x7FC0).
 //   * The kernels run with the default MXCSR (no FTZ/DAZ), set on entry.
@@ -38,15 +38,13 @@ struct Matrix {
   int64_t m, k, mt, kt;
 };
 
-// Lane of column k, and where column k of x is stored in the kernels' fp32
-// copy of x (per 8 columns: x0 x2 x4 x6 x1 x3 x5 x7).
-inline int lane_of(int64_t k) { return static_cast<int>((k & 7) >> 1); }
-inline int64_t x_slot(int64_t k) { return (k & ~int64_t{7}) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1); }
+// Lane of column k (the kernels' fp32 copy of x keeps natural column order).
+inline int lane_of(int64_t k) { return static_cast<int>(k & 3); }
 
 // One call of the fused GEMM.
 struct GemmJob {
   Matrix w;
-  const float* x;        // [n][kp] fp32, zero-padded, columns placed by x_slot()
+  const float* x;        // [n][kp] fp32, zero-padded
   int64_t n, kp;
   const uint16_t* bias;  // [m] bf16 bits or nullptr
   uint16_t* y;           // [n][m] bf16 bits
