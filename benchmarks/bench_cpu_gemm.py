@@ -59,7 +59,7 @@ def make_weight(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def timed(fns: dict, reps: int, warmup: int = 2) -> dict:
-    """Interleaved medians: {name: (wall_s, thread_cpu_s)}."""
+    """Interleaved medians: {name: (wall_s, thread_cpu_s, [wall_s per repetition])}."""
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -72,7 +72,13 @@ def timed(fns: dict, reps: int, warmup: int = 2) -> dict:
             c1, t1 = time.thread_time(), time.perf_counter()
             wall[k].append(t1 - t0)
             cpu[k].append(c1 - c0)
-    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), wall[k]) for k in fns}
+
+
+def paired(r: dict, a: str, b: str) -> float:
+    """Median over repetitions of time(a) / time(b), each pair measured back to back: less
+    sensitive than the ratio of medians to the host slowing down part of the run."""
+    return statistics.median(x / y for x, y in zip(r[a][2], r[b][2]))
 
 
 def main() -> int:
@@ -113,13 +119,16 @@ def main() -> int:
                            bf16_ms=r["bf16"][0] * 1e3, fused_ms=r["fused"][0] * 1e3,
                            dispatch_ms=r["dispatch"][0] * 1e3, dispatch_path=path,
                            speedup_fused=r["bf16"][0] / r["fused"][0],
-                           speedup_dispatch=r["bf16"][0] / r["dispatch"][0])
+                           speedup_dispatch=r["bf16"][0] / r["dispatch"][0],
+                           paired_speedup_fused=paired(r, "bf16", "fused"),
+                           paired_speedup_dispatch=paired(r, "bf16", "dispatch"))
                 if t == 1:
                     row.update(bf16_cpu_ms=r["bf16"][1] * 1e3, fused_cpu_ms=r["fused"][1] * 1e3,
                                speedup_fused_cpu=r["bf16"][1] / r["fused"][1])
                 rows.append(row)
                 print(f"{m:>6}x{k:<6} N={n:<3} t={t}  bf16 {row['bf16_ms']:8.2f} ms  fused {row['fused_ms']:8.2f} ms"
-                      f"  x{row['speedup_fused']:.2f}  dispatch {row['dispatch_ms']:8.2f} ms x{row['speedup_dispatch']:.2f}",
+                      f"  x{row['speedup_fused']:.2f}  dispatch {row['dispatch_ms']:8.2f} ms x{row['speedup_dispatch']:.2f}"
+                      f"  paired x{row['paired_speedup_fused']:.2f} / x{row['paired_speedup_dispatch']:.2f}",
                       flush=True)
         if (m, k) == (4096, 4096):
             torch.set_num_threads(threads[-1])
@@ -148,16 +157,19 @@ def main() -> int:
         fused_max_n=cpu_kernels.fused_max_n(), reps=reps, reps_n1=reps_n1,
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
         rows=rows, threshold=thr_rows,
-        notes="medians of interleaved reps; *_cpu_ms = caller-thread CPU time (1-thread runs only)",
+        notes="medians of interleaved reps; *_cpu_ms = caller-thread CPU time (1-thread runs only); "
+              "paired_* = median of per-repetition ratios (bf16 and the other call back to back)",
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print()
-    print(f"{'shape':>14} {'N':>3} {'thr':>3} {'bf16 ms':>9} {'fused ms':>9} {'x':>5} {'disp ms':>9} {'x':>5}  path")
+    print(f"{'shape':>14} {'N':>3} {'thr':>3} {'bf16 ms':>9} {'fused ms':>9} {'x':>5} {'disp ms':>9} {'x':>5}"
+          f" {'paired':>6} {'paired':>6}  path")
     for r in rows:
         print(f"{r['M']:>6}x{r['K']:<7} {r['N']:>3} {r['threads']:>3} {r['bf16_ms']:9.2f} {r['fused_ms']:9.2f}"
-              f" {r['speedup_fused']:5.2f} {r['dispatch_ms']:9.2f} {r['speedup_dispatch']:5.2f}  {r['dispatch_path']}")
+              f" {r['speedup_fused']:5.2f} {r['dispatch_ms']:9.2f} {r['speedup_dispatch']:5.2f}"
+              f" {r['paired_speedup_fused']:6.2f} {r['paired_speedup_dispatch']:6.2f}  {r['dispatch_path']}")
     print(f"load average before {load_before}, after {result['loadavg_after']}; wrote {args.out}")
     return 0
 
