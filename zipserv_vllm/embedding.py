@@ -1,6 +1,8 @@
 """``zipserv::embedding``: rows of a compressed embedding table, as a traceable custom op.
 
 ``embedding(ids, bitmaps, base, offsets, sm, fb, m, k, rows) -> Tensor[*ids.shape, k] bf16``
+(``packed_embedding(ids, tiles, luts, exc_start, exc, m, k, rows)`` for a table
+in the CPU byte-split layout)
 returns ``F.embedding(ids, W_padded)`` where ``W`` is the ``[m, k]`` compressed
 matrix and ``W_padded`` appends ``rows - m`` zero rows (vLLM pads the vocabulary
 of an embedding layer; padding ids read zeros). Ids outside ``[0, rows)`` are
@@ -19,23 +21,21 @@ import torch
 import torch.nn.functional as F
 
 from .format import CompressedTensor, spec
+from .format.cpu_layout import PackedTensor
 
 
-def _lookup(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
-    from .codec import decompress_tensor
-
+def _lookup(ids, decode_rows, device, m, k, rows):
+    """F.embedding over the tile rows ``decode_rows(live, sub_m)`` decodes ([sub_m, k])."""
     flat = ids.reshape(-1).clamp(0, rows - 1)
     n_tiles = -(-m // spec.TILE)
     tile_rows = torch.unique(flat // spec.TILE)  # sorted
     live = tile_rows[tile_rows < n_tiles]  # tile rows past the compressed ones are vocabulary padding (zeros)
     if live.numel() == 0:
         return torch.zeros((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
-    idx = live.to(bitmaps.device)
+    idx = live.to(device)
     last_rows = m - (n_tiles - 1) * spec.TILE
     sub_m = (live.numel() - 1) * spec.TILE + (last_rows if int(live[-1]) == n_tiles - 1 else spec.TILE)
-    # The selected tiles keep their segment starts: offsets may point anywhere in the streams.
-    sub = decompress_tensor(CompressedTensor((sub_m, k), bitmaps[idx].contiguous(), base[idx].contiguous(),
-                                             offsets[idx].contiguous(), sm, fb))
+    sub = decode_rows(idx, sub_m)
     table = torch.cat([sub.to(ids.device), sub.new_zeros(1, k, device=ids.device)])  # last row: zeros for padding
     pos_of_tile = torch.full((-(-rows // spec.TILE) + 1,), -1, dtype=torch.long, device=flat.device)
     pos_of_tile[live.to(flat.device)] = torch.arange(live.numel(), device=flat.device)
@@ -47,11 +47,22 @@ def _lookup(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
 @torch.library.custom_op("zipserv::embedding", mutates_args=())
 def embedding(ids: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
               sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
+    from .codec import decompress_tensor
+
+    def decode_rows(idx, sub_m):
+        # The selected tiles keep their segment starts: offsets may point anywhere in the streams.
+        return decompress_tensor(CompressedTensor((sub_m, k), bitmaps[idx].contiguous(), base[idx].contiguous(),
+                                                  offsets[idx].contiguous(), sm, fb))
+
+    _check_ids(ids, m, rows)
+    return _lookup(ids, decode_rows, bitmaps.device, m, k, rows)
+
+
+def _check_ids(ids: torch.Tensor, m: int, rows: int) -> None:
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"zipserv::embedding: ids must be int32 or int64, got {ids.dtype}")
     if rows < m:
         raise ValueError(f"zipserv::embedding: rows ({rows}) must be at least the table's {m} rows")
-    return _lookup(ids, bitmaps, base, offsets, sm, fb, m, k, rows)
 
 
 @embedding.register_fake
@@ -59,7 +70,27 @@ def _(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
     return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
 
 
-def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor, rows: int | None = None) -> torch.Tensor:
-    """``F.embedding(ids, W)`` for the compressed ``ct`` (``rows - m`` zero padding rows)."""
+@torch.library.custom_op("zipserv::packed_embedding", mutates_args=())
+def packed_embedding(ids: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
+                     exc: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
+    from .ops import packed_decompress
+
+    def decode_rows(idx, sub_m):
+        sub = PackedTensor((m, k), tiles, luts, exc_start, exc).select_tile_rows(idx, sub_m)
+        return packed_decompress(sub.tiles, sub.luts, sub.exc_start, sub.exc, sub_m, k)
+
+    _check_ids(ids, m, rows)
+    return _lookup(ids, decode_rows, tiles.device, m, k, rows)
+
+
+@packed_embedding.register_fake
+def _(ids, tiles, luts, exc_start, exc, m, k, rows):
+    return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
+
+
+def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor | PackedTensor, rows: int | None = None) -> torch.Tensor:
+    """``F.embedding(ids, W)`` for the compressed (or CPU-packed) ``ct`` (``rows - m`` zero padding rows)."""
     m, k = ct.shape
+    if isinstance(ct, PackedTensor):
+        return packed_embedding(ids, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, m if rows is None else rows)
     return embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, m if rows is None else rows)

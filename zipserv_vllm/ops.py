@@ -9,6 +9,10 @@
   ``cpu_kernels.dispatch()`` says so (extension built, bf16 x, at most
   ``cpu_kernels.fused_max_n()`` tokens) and decode + F.linear otherwise.
 
+* ``zipserv::packed_decompress`` / ``zipserv::packed_gemm``: the same for a
+  weight in the CPU byte-split layout (``PackedTensor``, docs/FORMAT.md
+  appendix A), CPU only; "fast" runs its fused kernel under the same dispatch.
+
 The default implementation below serves CPU tensors; device-specific kernels
 register themselves with ``gemm.register_kernel(...)`` /
 ``decompress.register_kernel(...)`` in their own modules. Every op has a fake
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .format import CompressedTensor
+from .format.cpu_layout import PackedTensor, reference_unpack
 
 MODES = ("fast", "exact")
 
@@ -62,22 +67,62 @@ def _(x, bitmaps, base, offsets, sm, fb, m, k, bias, mode):
     return x.new_empty((*x.shape[:-1], m))
 
 
-def linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None,
+@torch.library.custom_op("zipserv::packed_decompress", mutates_args=())
+def packed_decompress(tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor, exc: torch.Tensor,
+                      m: int, k: int) -> torch.Tensor:
+    from . import cpu_kernels
+
+    pt = PackedTensor((m, k), tiles, luts, exc_start, exc)
+    return cpu_kernels.packed_decode(pt) if cpu_kernels.available() else reference_unpack(pt)
+
+
+@packed_decompress.register_fake
+def _(tiles, luts, exc_start, exc, m, k):
+    return torch.empty((m, k), dtype=torch.bfloat16, device=tiles.device)
+
+
+@torch.library.custom_op("zipserv::packed_gemm", mutates_args=())
+def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
+                exc: torch.Tensor, m: int, k: int, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "fast" and x.device.type == "cpu":
+        from . import cpu_kernels
+
+        if cpu_kernels.use_fused(x, bias, m):
+            return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias)
+    w = packed_decompress(tiles, luts, exc_start, exc, m, k)
+    return F.linear(x, w.to(x.device), bias)
+
+
+@packed_gemm.register_fake
+def _(x, tiles, luts, exc_start, exc, m, k, bias, mode):
+    return x.new_empty((*x.shape[:-1], m))
+
+
+def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,
            mode: str = "fast") -> torch.Tensor:
-    """``F.linear(x, decompress_tensor(ct), bias)`` by whichever kernel fits the device."""
+    """``F.linear(x, W, bias)`` for W compressed (CompressedTensor) or CPU-packed
+    (PackedTensor), by whichever kernel fits the device."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if x.shape[-1] != ct.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {ct.shape[1]}")
+    m, k = ct.shape
+    packed = isinstance(ct, PackedTensor)
     if mode == "fast" and x.device.type == "cpu" and not torch.compiler.is_compiling():
         # Eager CPU: call the fused kernel directly; the custom-op dispatcher
         # adds ~60 us per call, a lot for a decode step's small GEMMs. Traced
         # code goes through the op below (same kernel).
         from . import cpu_kernels
 
-        if cpu_kernels.use_fused(x, bias, ct.shape[0]):
-            return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1], bias)
-    return gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1], bias, mode)
+        if cpu_kernels.use_fused(x, bias, m):
+            if packed:
+                return cpu_kernels.packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias)
+            return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias)
+    if packed:
+        return packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias, mode)
+    return gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias, mode)
 
 
 from . import cuda_ops as _cuda_ops  # noqa: E402,F401  CUDA impls (csrc/cuda/); guarded inside: no-op without _cuda

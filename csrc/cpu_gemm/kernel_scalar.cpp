@@ -40,6 +40,31 @@ bool decode_tile(const Matrix& w, int64_t g, uint16_t* out) {
   return true;
 }
 
+// Decodes tile g of the byte-split layout (cpu_layout.h) into out[64][64].
+// Returns false when its exception range or entries are malformed.
+bool decode_tile(const Packed& w, int64_t g, uint16_t* out) {
+  if (!packed_tile_ok(w, g)) return false;
+  const uint8_t* t = w.tiles + g * kPkTileBytes;
+  const uint8_t* lut = w.luts + g * kPkLutEntries;
+  for (int f = 0; f < kFragsPerTile; ++f) {
+    const int r0 = frag_row0(f), c0 = frag_col0(f);
+    for (int p = 0; p < kFragElems; ++p) {
+      const int code = (t[pk_code_byte(f, p)] >> (4 * pk_code_nibble(p))) & 15;
+      out[(r0 + p / kFrag) * kTile + c0 + p % kFrag] = static_cast<uint16_t>(lut[code] << 8 | t[pk_lo_byte(f, p)]);
+    }
+  }
+  int64_t prev = -1;
+  for (int64_t e = w.exc_start[g]; e < w.exc_start[g + 1]; ++e) {
+    const int64_t d = w.exc[e] >> kPkExcShift;
+    if (d <= prev || d >= kTileElems) return false;  // out of the tile, or not ascending
+    prev = d;
+    const int f = static_cast<int>(d / kFragElems), p = static_cast<int>(d % kFragElems);
+    uint16_t& v = out[(frag_row0(f) + p / kFrag) * kTile + frag_col0(f) + p % kFrag];
+    v = static_cast<uint16_t>((w.exc[e] & 0xFFu) << 8 | (v & 0xFFu));
+  }
+  return true;
+}
+
 struct Scratch {
   std::vector<float> acc;  // [64 rows][n][4 lanes]
   uint16_t tile[kTileElems];
@@ -57,9 +82,10 @@ struct CsrGuard {
 #endif
 };
 
-void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
+template <class W>
+void gemm_rows_t(const GemmJobT<W>& job, int64_t tm0, int64_t tm1) {
   CsrGuard csr;
-  const Matrix& w = job.w;
+  const W& w = job.w;
   const int64_t n = job.n;
   Scratch& s = scratch;
   s.acc.resize(static_cast<size_t>(kTile * n * 4));
@@ -90,8 +116,9 @@ void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) {
   }
 }
 
-void decode_rows(const DecodeJob& job, int64_t tm0, int64_t tm1) {
-  const Matrix& w = job.w;
+template <class W>
+void decode_rows_t(const DecodeJobT<W>& job, int64_t tm0, int64_t tm1) {
+  const W& w = job.w;
   Scratch& s = scratch;
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     for (int64_t tk = 0; tk < w.kt; ++tk) {
@@ -108,9 +135,14 @@ void decode_rows(const DecodeJob& job, int64_t tm0, int64_t tm1) {
   }
 }
 
+void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) { gemm_rows_t(job, tm0, tm1); }
+void decode_rows(const DecodeJob& job, int64_t tm0, int64_t tm1) { decode_rows_t(job, tm0, tm1); }
+void packed_gemm_rows(const PackedGemmJob& job, int64_t tm0, int64_t tm1) { gemm_rows_t(job, tm0, tm1); }
+void packed_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) { decode_rows_t(job, tm0, tm1); }
+
 }  // namespace
 
-Kernel scalar_kernel() { return {"scalar", gemm_rows, decode_rows}; }
+Kernel scalar_kernel() { return {"scalar", gemm_rows, decode_rows, packed_gemm_rows, packed_decode_rows}; }
 
 }  // namespace cpu
 }  // namespace zipserv

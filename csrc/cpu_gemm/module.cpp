@@ -10,11 +10,13 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "zipserv/cpu_gemm.h"
+#include "zipserv/cpu_pack.h"
 
 namespace py = pybind11;
 using namespace zipserv;
@@ -87,47 +89,81 @@ void raise_bad(int64_t g, const Matrix& w) {
   }
 }
 
-struct GemmCtx {
-  const GemmJob* job;
-  GemmRowsFn fn;
-};
-struct DecodeCtx {
-  const DecodeJob* job;
-  DecodeRowsFn fn;
-};
+Packed packed(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
+              int64_t m, int64_t k) {
+  if (m < 1 || k < 1) throw std::invalid_argument("matrix shape must be positive, got " + std::to_string(m) + " x " + std::to_string(k));
+  const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
+  check(tiles, "tiles", "u", 1, {mt, kt, kPkTileBytes});
+  check(luts, "luts", "u", 1, {mt, kt, kPkLutEntries});
+  check(exc_start, "exc_start", "i", 8, {mt * kt + 1});
+  check(exc, "exc", "ui", 4, {-1});
+  return Packed{static_cast<const uint8_t*>(tiles.data()), static_cast<const uint8_t*>(luts.data()),
+                static_cast<const int64_t*>(exc_start.data()), static_cast<const uint32_t*>(exc.data()),
+                static_cast<int64_t>(exc.shape(0)), m, k, mt, kt};
+}
+
+void raise_bad_packed(int64_t g, const Packed& w) {
+  if (g >= 0) {
+    throw std::invalid_argument("tile (" + std::to_string(g / w.kt) + ", " + std::to_string(g % w.kt) +
+                                ") of the byte-split layout has a malformed exception list");
+  }
+}
+
+// y = x . W^T + bias by kernel function fn (W a Matrix or a Packed).
+template <class W, class Fn>
+void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py::array& out, int threads,
+              std::atomic<int64_t>& bad) {
+  check(x, "x", "ui", 2, {-1, w.k});
+  const int64_t n = x.shape(0);
+  check(out, "out", "ui", 2, {n, w.m});
+  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
+  const uint16_t* bias_p = nullptr;
+  py::array bias_a;
+  if (!bias.is_none()) {
+    bias_a = bias.cast<py::array>();
+    check(bias_a, "bias", "ui", 2, {w.m});
+    bias_p = static_cast<const uint16_t*>(bias_a.data());
+  }
+  if (n == 0) return;
+  const int64_t kp = w.kt * kTile;
+  py::gil_scoped_release nogil;
+  std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
+  const uint16_t* xs = static_cast<const uint16_t*>(x.data());
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < w.k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * w.k + c]);
+  GemmJobT<W> job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
+  struct Ctx {
+    const GemmJobT<W>* job;
+    Fn fn;
+  } ctx{&job, fn};
+  parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
+    auto* g = static_cast<Ctx*>(c);
+    g->fn(*g->job, a, b);
+  }, &ctx);
+}
+
+template <class W, class Fn>
+void run_decode(const W& w, Fn fn, py::array& out, int threads, std::atomic<int64_t>& bad) {
+  check(out, "out", "ui", 2, {w.m, w.k});
+  py::gil_scoped_release nogil;
+  DecodeJobT<W> job{w, static_cast<uint16_t*>(out.mutable_data()), &bad};
+  struct Ctx {
+    const DecodeJobT<W>* job;
+    Fn fn;
+  } ctx{&job, fn};
+  parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
+    auto* d = static_cast<Ctx*>(c);
+    d->fn(*d->job, a, b);
+  }, &ctx);
+}
 
 void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, const py::array& offsets,
           const py::array& sm, const py::array& fb, int64_t m, int64_t k, const py::object& bias,
           py::array out, int threads, const std::string& isa) {
   const Kernel kern = pick(isa);
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
-  check(x, "x", "ui", 2, {-1, k});
-  const int64_t n = x.shape(0);
-  check(out, "out", "ui", 2, {n, m});
-  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
-  const uint16_t* bias_p = nullptr;
-  py::array bias_a;
-  if (!bias.is_none()) {
-    bias_a = bias.cast<py::array>();
-    check(bias_a, "bias", "ui", 2, {m});
-    bias_p = static_cast<const uint16_t*>(bias_a.data());
-  }
-  if (n == 0) return;
-  const int64_t kp = w.kt * kTile;
   std::atomic<int64_t> bad{-1};
-  {
-    py::gil_scoped_release nogil;
-    std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
-    const uint16_t* xs = static_cast<const uint16_t*>(x.data());
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * k + c]);
-    GemmJob job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
-    GemmCtx ctx{&job, kern.gemm_rows};
-    parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
-      auto* g = static_cast<GemmCtx*>(c);
-      g->fn(*g->job, a, b);
-    }, &ctx);
-  }
+  run_gemm(w, kern.gemm_rows, x, bias, out, threads, bad);
   raise_bad(bad.load(), w);
 }
 
@@ -135,18 +171,63 @@ void decode(const py::array& bitmaps, const py::array& base, const py::array& of
             const py::array& fb, int64_t m, int64_t k, py::array out, int threads, const std::string& isa) {
   const Kernel kern = pick(isa);
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
-  check(out, "out", "ui", 2, {m, k});
   std::atomic<int64_t> bad{-1};
+  run_decode(w, kern.decode_rows, out, threads, bad);
+  raise_bad(bad.load(), w);
+}
+
+void packed_gemm(const py::array& x, const py::array& tiles, const py::array& luts, const py::array& exc_start,
+                 const py::array& exc, int64_t m, int64_t k, const py::object& bias, py::array out, int threads,
+                 const std::string& isa) {
+  const Kernel kern = pick(isa);
+  const Packed w = packed(tiles, luts, exc_start, exc, m, k);
+  std::atomic<int64_t> bad{-1};
+  run_gemm(w, kern.packed_gemm_rows, x, bias, out, threads, bad);
+  raise_bad_packed(bad.load(), w);
+}
+
+void packed_decode(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
+                   int64_t m, int64_t k, py::array out, int threads, const std::string& isa) {
+  const Kernel kern = pick(isa);
+  const Packed w = packed(tiles, luts, exc_start, exc, m, k);
+  std::atomic<int64_t> bad{-1};
+  run_decode(w, kern.packed_decode_rows, out, threads, bad);
+  raise_bad_packed(bad.load(), w);
+}
+
+// W (bf16 bits [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout.
+py::tuple pack(const py::array& w, int threads) {
+  if (w.ndim() != 2 || w.shape(0) < 1 || w.shape(1) < 1) throw std::invalid_argument("pack takes a non-empty 2-D matrix");
+  const int64_t m = w.shape(0), k = w.shape(1);
+  check(w, "w", "ui", 2, {m, k});
+  const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
+  py::array_t<uint8_t> tiles({mt, kt, static_cast<int64_t>(kPkTileBytes)});
+  py::array_t<uint8_t> luts({mt, kt, static_cast<int64_t>(kPkLutEntries)});
+  py::array_t<int64_t> exc_start({mt * kt + 1});
+  PackJob job{static_cast<const uint16_t*>(w.data()), m, k, mt, kt, tiles.mutable_data(), luts.mutable_data()};
+  std::vector<uint32_t> exc;
   {
     py::gil_scoped_release nogil;
-    DecodeJob job{w, static_cast<uint16_t*>(out.mutable_data()), &bad};
-    DecodeCtx ctx{&job, kern.decode_rows};
-    parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
-      auto* d = static_cast<DecodeCtx*>(c);
-      d->fn(*d->job, a, b);
-    }, &ctx);
+    exc = pack_matrix(job, threads, exc_start.mutable_data());
   }
-  raise_bad(bad.load(), w);
+  py::array_t<int32_t> exc_a({static_cast<int64_t>(exc.size())});
+  if (!exc.empty()) std::memcpy(exc_a.mutable_data(), exc.data(), exc.size() * 4);
+  return py::make_tuple(tiles, luts, exc_start, exc_a);
+}
+
+py::dict layout_constants() {
+  py::dict d;
+  d["TILE_BYTES"] = kPkTileBytes;
+  d["LO_BYTES"] = kPkLoBytes;
+  d["CODE_BYTES"] = kPkCodeBytes;
+  d["LUT_ENTRIES"] = kPkLutEntries;
+  d["EXC_SHIFT"] = kPkExcShift;
+  d["PAD_LO"] = kPkPadLo;
+  py::list cb;
+  for (int f = 0; f < kFragsPerTile; ++f)
+    for (int p = 0; p < kFragElems; ++p) cb.append(py::make_tuple(pk_code_byte(f, p), pk_code_nibble(p)));
+  d["code_positions"] = cb;
+  return d;
 }
 
 }  // namespace
@@ -161,4 +242,13 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("decode", &decode, py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"), py::arg("fb"),
           py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"), py::arg("isa"),
           "Decode W[m, k] with the fused kernel's tile decoder (for bit-exactness tests)");
+  mod.def("packed_gemm", &packed_gemm, py::arg("x"), py::arg("tiles"), py::arg("luts"), py::arg("exc_start"),
+          py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"), py::arg("threads"),
+          py::arg("isa"), "gemm from W in the CPU byte-split layout (docs/FORMAT.md appendix A)");
+  mod.def("packed_decode", &packed_decode, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"),
+          py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"), py::arg("isa"),
+          "Decode W[m, k] from the byte-split layout with the kernels' tile decoder");
+  mod.def("pack", &pack, py::arg("w"), py::arg("threads"),
+          "W (bf16 bits, uint16 [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout");
+  mod.def("layout_constants", &layout_constants, "The byte-split layout's constants (tests compare them with Python)");
 }

@@ -130,3 +130,40 @@ def test_plan_refuses_unaligned():
         TilePlan.select(ct, 0, 32, 64)
     with pytest.raises(ValueError, match="rows"):
         TilePlan.cat([TilePlan.select(ct, 0, 128, 72), TilePlan.select(ct, 0, 0, 64)])
+
+
+def test_repack_cpu_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
+    """CPU fast mode's repack (loading.repack_cpu): every layer ends up in the byte-split
+    layout, bit for bit, and each v1 page is freed as soon as no layer left needs it."""
+    from zipserv_vllm import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    from zipserv_vllm.format.cpu_layout import PackedTensor
+    from zipserv_vllm.vllm_plugin import loading
+
+    old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
+    weights, states = [], []
+    for i in range(6):
+        w = _w(128 + 64 * (i % 2), 200, seed=i)
+        w[0, 0] = 0.0  # an exception
+        ct = compress_tensor(w)
+        st = loading.LayerState(prefix=f"l{i}", kind="linear", rows=w.shape[0], cols=200,
+                                device=torch.device("cpu"), expected_shards=[None])
+        st.arena, st.tables, st.part_shapes = old, [store_compressed(old, ct)], [tuple(w.shape)]
+        st.bind()
+        weights.append(w)
+        states.append(st)
+    pages_before = old.num_pages
+    assert pages_before >= 3
+    released = []
+    real_release = old.release
+    monkeypatch.setattr(old, "release", lambda i: (released.append((i, sum(s.arena is new for s in states))),
+                                                    real_release(i)))
+    assert loading.repack_cpu(states, old, new) == 6
+    assert old.num_pages == 0 and len(released) == pages_before
+    assert released[0][1] < 6  # the first page went before the last layer was repacked
+    for w, st in zip(weights, states):
+        assert st.arena is new and all(isinstance(p, PackedTensor) for p in st.parts)
+        assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
+    assert loading.repack_cpu(states, new, PagedArena()) == 0  # already packed: nothing to do

@@ -27,19 +27,34 @@ def qwen2_runs(vllm_env, qwen2_dirs):
             "pack": run_engine(bf16, chat=False, quantization="zipserv")}
 
 
-def _fast_run(model, base, **kw):
+def _fast_run(model, base, layout=None, **kw):
     import os
 
     os.environ["ZIPSERV_MODE"] = "fast"
+    if layout:
+        os.environ["ZIPSERV_CPU_LAYOUT"] = layout
     try:
         return run_engine(model, chat=False, score=base["score_seqs"], **kw)
     finally:
         os.environ["ZIPSERV_MODE"] = "exact"
+        os.environ.pop("ZIPSERV_CPU_LAYOUT", None)
 
 
 @pytest.fixture(scope="module")
 def llama_fast(vllm_env, llama_dirs, llama_runs):
     return _fast_run(llama_dirs[0], llama_runs["base"], quantization="zipserv")
+
+
+@pytest.fixture(scope="module")
+def llama_fast_pre(vllm_env, llama_dirs, llama_runs):
+    """Pre-compressed checkpoint in fast mode: v1 tiles loaded, then repacked."""
+    return _fast_run(llama_dirs[1], llama_runs["base"])
+
+
+@pytest.fixture(scope="module")
+def llama_fast_v1(vllm_env, llama_dirs, llama_runs):
+    """Fast mode keeping TCA-TBE v1 in memory (ZIPSERV_CPU_LAYOUT=v1): the v1 fused kernel."""
+    return _fast_run(llama_dirs[1], llama_runs["base"], layout="v1")
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +120,18 @@ def test_qwen2_biases_tied_embeddings_non_tile_shapes(qwen2_runs, way):
     assert mem["layers_compressed"] == 9 and mem["layers_bf16"] == 0
 
 
-def test_fast_mode_teacher_forced_logprobs_close_to_bf16(llama_fast, llama_runs):
-    """Fast mode (zipserv::gemm, fused CPU kernel) scores the BF16 model's own greedy
-    continuations within FAST_LOGPROB_TOL nats at every position."""
+@pytest.mark.parametrize("way", ["pack", "pre", "v1"])
+def test_fast_mode_teacher_forced_logprobs_close_to_bf16(way, request, llama_runs):
+    """Fast mode (fused CPU kernel) scores the BF16 model's own greedy continuations
+    within FAST_LOGPROB_TOL nats at every position: packed at load straight into
+    the byte-split layout, pre-compressed v1 repacked into it, and v1 kept."""
     base = llama_runs["base"]
-    assert llama_fast["memory"]["load_paths"] == {"packed": 10}
+    llama_fast = request.getfixturevalue({"pack": "llama_fast", "pre": "llama_fast_pre", "v1": "llama_fast_v1"}[way])
+    mem = llama_fast["memory"]
+    assert mem["load_paths"] == ({"packed": 10} if way == "pack" else {"tiles": 10})
+    assert mem["layouts"] == ({"v1": 10} if way == "v1" else {"bytesplit": 10})
+    if way != "v1":  # byte-split: ~12.05 bits per weight (docs/FORMAT.md appendix A) plus arena rounding
+        assert mem["arena_bytes"] < 0.8 * mem["compressed_bf16_bytes"]
     diff = _max_score_diff(llama_fast, base)
     print(f"fast vs bf16: max |d logprob| = {diff:.5f}")
     assert 0 < diff <= FAST_LOGPROB_TOL  # > 0: another GEMM than the BF16 one really ran
@@ -123,6 +145,7 @@ def test_fast_mode_teacher_forced_logprobs_close_to_bf16(llama_fast, llama_runs)
 
 
 def test_fast_mode_bound_catches_one_corrupted_tile(llama_fast_corrupt, llama_runs):
+    assert llama_fast_corrupt["memory"]["layouts"] == {"bytesplit": 10}  # the repacked layout carries the damage
     diff = _max_score_diff(llama_fast_corrupt, llama_runs["base"])
     print(f"corrupted tile vs bf16: max |d logprob| = {diff:.5f}")
     assert diff > 5 * FAST_LOGPROB_TOL

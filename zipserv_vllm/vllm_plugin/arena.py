@@ -76,6 +76,7 @@ class _Page:
     used: int = 0
     tensor: torch.Tensor | None = None
     sealed: bool = False  # committed/trimmed pages take no further slots
+    released: bool = False
 
 
 class PagedArena:
@@ -111,7 +112,7 @@ class PagedArena:
         """Allocate every reserved page that has no memory yet, with exactly its
         reserved bytes, and seal it."""
         for page in self._pages:
-            if page.tensor is None:
+            if page.tensor is None and not page.released:
                 page.capacity = page.used
                 page.tensor = torch.empty(page.used, dtype=torch.uint8, device=self.device)
                 page.sealed = True
@@ -146,10 +147,18 @@ class PagedArena:
             page.sealed = page.sealed or page.tensor is not None
         return moved
 
+    def release(self, index: int) -> None:
+        """Free page ``index`` (its arrays are no longer needed; views taken
+        before keep the memory alive until they are dropped)."""
+        page = self._pages[index]
+        page.tensor, page.sealed, page.released = None, True, True
+
     # ------------------------------------------------------------------ views
     def raw(self, slot: Slot) -> torch.Tensor:
         """The ``uint8`` bytes of ``slot`` (a view into its page)."""
         page = self._pages[slot.page]
+        if page.released:
+            raise RuntimeError(f"page {slot.page} was released")
         if page.tensor is None:
             raise RuntimeError(f"page {slot.page} has no memory yet: call commit() first")
         return page.tensor[slot.offset : slot.offset + slot.nbytes]

@@ -194,6 +194,7 @@ class ZipServConfig(QuantizationConfig):
         if self._finished:
             return
         self._finished = True
+        repacked = self._repack_cpu()
         for arena in self._arenas.values():
             users = [st for st in self._states if st.arena is arena and st.tables]
             # Drop the views first so each old page is freed as soon as it is copied
@@ -203,9 +204,24 @@ class ZipServConfig(QuantizationConfig):
             arena.trim()
             for st in users:
                 st.bind()
-        if not self.precompressed:
+        if not self.precompressed or repacked:
             _release_freed_memory()
         self.log_summary()
+
+    def _repack_cpu(self) -> int:
+        """CPU fast mode: v1 layers -> the CPU byte-split layout (loading.repack_cpu)."""
+        total = 0
+        for key, old in list(self._arenas.items()):
+            if not loading.uses_packed(old.device, self.mode):
+                continue
+            new = PagedArena(old.device, page_bytes=self.page_bytes)
+            n = loading.repack_cpu([s for s in self._states if s.layer is not None or s.tables], old, new)
+            if n:
+                self._arenas[key] = new
+                total += n
+                logger.info("zipserv: %d layers repacked into the CPU byte-split layout (fast mode; "
+                            "ZIPSERV_CPU_LAYOUT=v1 keeps TCA-TBE v1 in memory)", n)
+        return total
 
     def memory_summary(self) -> dict[str, int]:
         """Exact bytes: arena pages vs the BF16 weights they replace."""

@@ -17,6 +17,12 @@ Pre-compressed checkpoints follow "record first, execute later"
 3. A split that does not fall on a 64-element tile boundary is handled for that
    layer by decoding the shards, letting vLLM's own weight loader place and
    narrow them, and re-encoding the rank's matrix (one log line).
+
+On the CPU in fast mode (with the ``_cpu_gemm`` extension, unless
+``ZIPSERV_CPU_LAYOUT=v1``) the layers end up in the CPU byte-split layout
+(``PackedTensor``, docs/FORMAT.md appendix A): packed at load straight from
+BF16, or repacked from v1 once loading is over (:func:`repack_cpu`), one
+layer at a time, each v1 page released as soon as no layer still needs it.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ from typing import Any, Callable
 
 import torch
 
+import os
+
 from ..codec import compress_tensor, decompress_tensor
 from ..format import CompressedTensor, FormatError, parse_meta, spec
+from ..format.cpu_layout import PackedTensor
 from .arena import PageTable, PagedArena
 from .log import logger
 from .tiles import TilePlan, compressed_from_table, store_compressed
@@ -36,8 +45,27 @@ WEIGHT = "weight"
 SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb
 
 
+CPU_LAYOUTS = ("bytesplit", "v1")
+
+
 class ZipServLoadError(ValueError):
     """A checkpoint is incomplete, inconsistent or corrupt (message names the tensor)."""
+
+
+def cpu_layout() -> str:
+    """``ZIPSERV_CPU_LAYOUT``: the in-memory layout of CPU fast mode (default ``bytesplit``)."""
+    v = (os.environ.get("ZIPSERV_CPU_LAYOUT") or "bytesplit").strip().lower()
+    if v not in CPU_LAYOUTS:
+        raise ValueError(f"zipserv: ZIPSERV_CPU_LAYOUT is {v!r}; expected one of {', '.join(CPU_LAYOUTS)}")
+    return v
+
+
+def uses_packed(device: torch.device, mode: str) -> bool:
+    """Whether layers on ``device`` are held in the CPU byte-split layout."""
+    from .. import cpu_kernels
+
+    return (torch.device(device).type == "cpu" and mode == "fast" and cpu_layout() == "bytesplit"
+            and cpu_kernels.available())
 
 
 @dataclass
@@ -76,10 +104,17 @@ class LayerState:
 
     def bind(self) -> None:
         """(Re)build the part tensors as views of the arena (after a trim, too)."""
-        self.parts = [compressed_from_table(self.arena, t, s) for t, s in zip(self.tables, self.part_shapes)]
+        self.parts = [_part_from_table(self.arena, t, s) for t, s in zip(self.tables, self.part_shapes)]
 
     def source(self) -> "LayerState":
         return self.tied_to.source() if self.tied_to is not None else self
+
+
+def _part_from_table(arena: PagedArena, table: PageTable, shape) -> CompressedTensor | PackedTensor:
+    if "tiles" in table.entries:
+        v = arena.views(table)
+        return PackedTensor(tuple(shape), v["tiles"], v["luts"], v["exc_start"], v["exc"])
+    return compressed_from_table(arena, table, shape)
 
 
 def recorder(state: LayerState, name: str) -> Callable:
@@ -373,14 +408,56 @@ def finish_bf16(state: LayerState, w: torch.Tensor) -> None:
     state.done = True
 
 
-def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena) -> None:
-    """Compress the rank's BF16 weight ``w`` into ``arena`` (pack at load)."""
-    ct = compress_tensor(w.detach().to("cpu"))
-    if ct.device != arena.device:
-        ct = ct.to(arena.device)
+def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bool = False) -> None:
+    """Compress the rank's BF16 weight ``w`` into ``arena`` (pack at load); with
+    ``packed``, into the CPU byte-split layout instead of v1."""
+    if packed:
+        from .. import cpu_kernels
+
+        pt = cpu_kernels.pack(w.detach().to("cpu"))
+        state.tables = [arena.store(pt.arrays())]
+        state.part_shapes = [tuple(pt.shape)]
+    else:
+        ct = compress_tensor(w.detach().to("cpu"))
+        if ct.device != arena.device:
+            ct = ct.to(arena.device)
+        state.tables = [store_compressed(arena, ct)]
+        state.part_shapes = [tuple(ct.shape)]
     state.arena = arena
-    state.tables = [store_compressed(arena, ct)]
-    state.part_shapes = [tuple(ct.shape)]
     state.bind()
     state.path = "packed"
     state.done = True
+
+
+def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
+    """Repack every v1 part of ``states`` held in ``old`` into ``new`` in the CPU
+    byte-split layout, one layer at a time; each page of ``old`` is released as
+    soon as no layer left to repack uses it, so the peak stays near the final
+    size plus a page. Returns the number of layers repacked."""
+    from .. import cpu_kernels
+
+    def pages(st: LayerState) -> set[int]:
+        return {e.slot.page for t in st.tables for e in t.entries.values()}
+
+    held = [st for st in states if st.arena is old and st.tables]
+    todo = [st for st in held if not all("tiles" in t.entries for t in st.tables)]
+    users: dict[int, int] = {}  # layers (repacked or not) with arrays in each page
+    for st in held:
+        for page in pages(st):
+            users[page] = users.get(page, 0) + 1
+    todo.sort(key=lambda st: min(e.slot.page for t in st.tables for e in t.entries.values()))
+    for st in todo:
+        used = pages(st)
+        tables = []
+        for part in st.parts:
+            pt = part if isinstance(part, PackedTensor) else cpu_kernels.pack(part)
+            tables.append(new.store(pt.arrays()))
+            del pt
+        st.parts = []
+        st.tables, st.arena = tables, new
+        st.bind()
+        for page in used:
+            users[page] -= 1
+            if users[page] == 0:
+                old.release(page)
+    return len(todo)

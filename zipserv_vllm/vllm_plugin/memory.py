@@ -27,7 +27,9 @@ def weight_memory(model: torch.nn.Module) -> dict:
         kb = _storage_key_and_bytes(t)
         if kb is not None:
             storages[kb[0]] = kb[1]
-    arenas, compressed, bf16, paths, equiv, parts = {}, 0, 0, {}, 0, {}
+    from ..format.cpu_layout import PackedTensor
+
+    arenas, compressed, bf16, paths, equiv, parts, layouts = {}, 0, 0, {}, 0, {}, {}
     for mod in model.modules():
         st = mod.__dict__.get("_zs_state")
         if st is None:
@@ -39,6 +41,8 @@ def weight_memory(model: torch.nn.Module) -> dict:
             compressed += 1
             equiv += 2 * st.rows * st.cols
             parts[st.prefix] = len(st.part_shapes)
+            lay = "bytesplit" if st.parts and all(isinstance(p, PackedTensor) for p in st.parts) else "v1"
+            layouts[lay] = layouts.get(lay, 0) + 1
         if st.path:
             paths[st.path] = paths.get(st.path, 0) + 1
     param_bytes = sum(storages.values())
@@ -53,4 +57,5 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "load_paths": paths,
         "compressed_bf16_bytes": equiv,
         "parts": parts,  # compressed matrices per layer: 1 = one GEMM per call in fast mode
+        "layouts": layouts,  # layers per in-memory layout: v1 (TCA-TBE) or bytesplit (CPU fast mode)
     }

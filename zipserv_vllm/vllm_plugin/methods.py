@@ -17,7 +17,9 @@ At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
   unquantized layer would run (:func:`.gemm.exact_linear`): bit-identical
   outputs to the BF16 model in eager mode;
 * ``fast``: ``zipserv_vllm.linear(x, ct, bias, mode="fast")`` (``zipserv::gemm``),
-  where fused decode-GEMM kernels plug in.
+  where fused decode-GEMM kernels plug in. On the CPU the layers are held in
+  the byte-split layout (``PackedTensor``, ``zipserv::packed_gemm``; see
+  :mod:`.loading`), unless ``ZIPSERV_CPU_LAYOUT=v1``.
 
 The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.embedding`) decodes
 only the tile rows (64 vocabulary rows each) that the batch's ids touch, then
@@ -42,6 +44,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from .. import embedding as _embedding_op  # noqa: F401  registers zipserv::embedding
 from .. import ops
 from ..format import CompressedTensor
+from ..format.cpu_layout import PackedTensor
 from . import loading
 from .gemm import exact_gemm
 from .log import logger
@@ -53,7 +56,9 @@ def _state(layer) -> loading.LayerState:
     return layer.__dict__[_STATE]
 
 
-def _decode(ct: CompressedTensor) -> torch.Tensor:
+def _decode(ct: CompressedTensor | PackedTensor) -> torch.Tensor:
+    if isinstance(ct, PackedTensor):
+        return torch.ops.zipserv.packed_decompress(ct.tiles, ct.luts, ct.exc_start, ct.exc, ct.shape[0], ct.shape[1])
     return torch.ops.zipserv.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1])
 
 
@@ -92,9 +97,7 @@ def compressed_embedding(st: loading.LayerState, ids: torch.Tensor) -> torch.Ten
         raise RuntimeError(f"zipserv: embedding {st.prefix} was never loaded")
     if len(st.parts) != 1:
         return F.embedding(ids, _full_weight(st))
-    ct = st.parts[0]
-    return torch.ops.zipserv.embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb,
-                                       ct.shape[0], ct.shape[1], st.rows)
+    return _embedding_op.compressed_embedding(ids, st.parts[0], st.rows)
 
 
 # =========================================================================== base
@@ -166,7 +169,8 @@ class _ZipServMethodBase:
             raise loading.ZipServLoadError(f"zipserv: no weights were loaded for {st.prefix}.weight "
                                            f"(the checkpoint has no tensor for this layer)")
         try:
-            loading.pack_layer(st, w.data, self.config.arena(w.device))
+            loading.pack_layer(st, w.data, self.config.arena(w.device),
+                               packed=loading.uses_packed(w.device, self.config.mode))
         except (TypeError, ValueError) as exc:
             logger.info("zipserv: %s cannot be compressed (%s); kept BF16", st.prefix, exc)
             st.bf16, st.done, st.path = True, True, "bf16"

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "zipserv/cpu_layout.h"
 #include "zipserv/format.h"
 
 namespace zipserv {
@@ -38,34 +39,54 @@ struct Matrix {
   int64_t m, k, mt, kt;
 };
 
+// One matrix in the CPU byte-split layout (cpu_layout.h, FORMAT.md appendix A).
+struct Packed {
+  const uint8_t* tiles;      // [Mt][Kt][kPkTileBytes]
+  const uint8_t* luts;       // [Mt][Kt][16]
+  const int64_t* exc_start;  // [Mt * Kt + 1], exceptions of tile g: exc[exc_start[g] .. exc_start[g + 1])
+  const uint32_t* exc;
+  int64_t exc_len;
+  int64_t m, k, mt, kt;
+};
+
 // Lane of column k (the kernels' fp32 copy of x keeps natural column order).
 inline int lane_of(int64_t k) { return static_cast<int>(k & 3); }
 
-// One call of the fused GEMM.
-struct GemmJob {
-  Matrix w;
+// One call of the fused GEMM (W: Matrix for v1, Packed for the byte-split layout).
+template <class W>
+struct GemmJobT {
+  W w;
   const float* x;        // [n][kp] fp32, zero-padded
   int64_t n, kp;
   const uint16_t* bias;  // [m] bf16 bits or nullptr
   uint16_t* y;           // [n][m] bf16 bits
   std::atomic<int64_t>* bad_tile;  // first malformed tile index seen, else -1
 };
+using GemmJob = GemmJobT<Matrix>;
+using PackedGemmJob = GemmJobT<Packed>;
 
 // One call of the decode-only entry (tests the fused decode bit for bit).
-struct DecodeJob {
-  Matrix w;
+template <class W>
+struct DecodeJobT {
+  W w;
   uint16_t* out;  // [m][k] bf16 bits
   std::atomic<int64_t>* bad_tile;
 };
+using DecodeJob = DecodeJobT<Matrix>;
+using PackedDecodeJob = DecodeJobT<Packed>;
 
 // A kernel processes tile rows [tm0, tm1). Scratch memory is thread-local.
 using GemmRowsFn = void (*)(const GemmJob&, int64_t tm0, int64_t tm1);
 using DecodeRowsFn = void (*)(const DecodeJob&, int64_t tm0, int64_t tm1);
+using PackedGemmRowsFn = void (*)(const PackedGemmJob&, int64_t tm0, int64_t tm1);
+using PackedDecodeRowsFn = void (*)(const PackedDecodeJob&, int64_t tm0, int64_t tm1);
 
 struct Kernel {
   const char* name;
   GemmRowsFn gemm_rows;
   DecodeRowsFn decode_rows;
+  PackedGemmRowsFn packed_gemm_rows;
+  PackedDecodeRowsFn packed_decode_rows;
 };
 
 Kernel scalar_kernel();
@@ -103,6 +124,13 @@ inline bool tile_ok(const Matrix& w, int64_t g, int64_t h) {
   const int64_t off_sm = w.offsets[2 * g], off_fb = w.offsets[2 * g + 1];
   return off_sm % kSmAlign == 0 && off_fb % kFbAlign == 0 && off_sm >= 0 && off_fb >= 0 &&
          off_sm <= w.sm_len - sm_segment_len(h) && off_fb <= w.fb_len - fb_segment_len(h);
+}
+
+// Checks tile g's exception range (the entries themselves are checked as the
+// kernels consume them: every one must belong to the tile, in order).
+inline bool packed_tile_ok(const Packed& w, int64_t g) {
+  const int64_t a = w.exc_start[g], b = w.exc_start[g + 1];
+  return a >= 0 && a <= b && b <= w.exc_len;
 }
 
 inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {

