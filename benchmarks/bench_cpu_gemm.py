@@ -1,17 +1,21 @@
-"""Benchmark of the fused decode-GEMM CPU kernel against torch's BF16 F.linear.
+"""Benchmark of the fused decode-GEMM CPU kernels against torch's BF16 F.linear.
 
 Side by side in one run, for Llama-like weight shapes [M, K] (out, in):
 4096x4096, 14336x4096, 4096x14336, 128256x4096 (N(0, 0.02^2) BF16, compressed
-with ``zipserv_vllm.compress_tensor``) and N = 1, 4, 16 tokens, with the same
-thread count on both sides (1 and 2 threads):
+with ``zipserv_vllm.compress_tensor``, then repacked with ``cpu_kernels.pack``)
+and N = 1, 4, 16 tokens, with the same thread count on every side (1 and 2):
 
 * ``bf16``: ``F.linear(x, W_bf16)`` (torch, ``torch.set_num_threads(t)``);
-* ``fused``: ``cpu_kernels.fused_linear(x, ct, threads=t)``;
-* ``dispatch``: ``zipserv_vllm.linear(x, ct, mode="fast")``, i.e. what the
-  zipserv::gemm op picks (fused for N <= fused_max_n(), else decode + F.linear).
+* ``v1``: ``cpu_kernels.fused_linear(x, ct, threads=t)``, the fused kernel
+  straight from TCA-TBE v1;
+* ``bytesplit``: ``cpu_kernels.packed_linear(x, pt, threads=t)``, the fused
+  kernel from the CPU byte-split layout (docs/FORMAT.md appendix A);
+* ``dispatch``: ``zipserv_vllm.linear(x, pt, mode="fast")``, i.e. what the
+  vLLM plugin's CPU fast mode runs (byte-split fused kernel for N <=
+  fused_max_n(), else decode + F.linear).
 
-A second table ("threshold") runs larger N on 4096x4096 (fused vs bf16 vs
-decode + F.linear = mode "exact") to justify the dispatch threshold.
+A second table ("threshold") runs larger N on 4096x4096 (both fused kernels vs
+bf16 vs decode + F.linear = mode "exact") to justify the dispatch threshold.
 
 Medians of --reps interleaved repetitions (--reps-n1 at N = 1; the calls
 alternate, so a noisy neighbour slows all sides alike); wall clock, plus the
@@ -104,7 +108,10 @@ def main() -> int:
         t0 = time.perf_counter()
         ct = compress_tensor(w)
         comp_s = time.perf_counter() - t0
-        bits = ct.bits_per_weight
+        t0 = time.perf_counter()
+        pt = cpu_kernels.pack(ct)
+        pack_s = time.perf_counter() - t0
+        bits, bits_pk = ct.bits_per_weight, pt.bits_per_weight
         for t in threads:
             torch.set_num_threads(t)
             for n in NS:
@@ -112,43 +119,46 @@ def main() -> int:
                 path = cpu_kernels.dispatch(x, None, m)[1]
                 r = timed({
                     "bf16": lambda: F.linear(x, w),
-                    "fused": lambda: cpu_kernels.fused_linear(x, ct, threads=t),
-                    "dispatch": lambda: zipserv_vllm.linear(x, ct, mode="fast"),
+                    "v1": lambda: cpu_kernels.fused_linear(x, ct, threads=t),
+                    "bytesplit": lambda: cpu_kernels.packed_linear(x, pt, threads=t),
+                    "dispatch": lambda: zipserv_vllm.linear(x, pt, mode="fast"),
                 }, reps_n1 if n == 1 else reps)
-                row = dict(M=m, K=k, N=n, threads=t, bits_per_weight=round(bits, 3),
-                           bf16_ms=r["bf16"][0] * 1e3, fused_ms=r["fused"][0] * 1e3,
-                           dispatch_ms=r["dispatch"][0] * 1e3, dispatch_path=path,
-                           speedup_fused=r["bf16"][0] / r["fused"][0],
-                           speedup_dispatch=r["bf16"][0] / r["dispatch"][0],
-                           paired_speedup_fused=paired(r, "bf16", "fused"),
-                           paired_speedup_dispatch=paired(r, "bf16", "dispatch"))
+                row = dict(M=m, K=k, N=n, threads=t, bits_per_weight_v1=round(bits, 3),
+                           bits_per_weight_bytesplit=round(bits_pk, 3), dispatch_path=path,
+                           **{f"{name}_ms": r[name][0] * 1e3 for name in r})
+                for name in ("v1", "bytesplit", "dispatch"):
+                    row[f"speedup_{name}"] = r["bf16"][0] / r[name][0]
+                    row[f"paired_speedup_{name}"] = paired(r, "bf16", name)
                 if t == 1:
-                    row.update(bf16_cpu_ms=r["bf16"][1] * 1e3, fused_cpu_ms=r["fused"][1] * 1e3,
-                               speedup_fused_cpu=r["bf16"][1] / r["fused"][1])
+                    for name in r:
+                        row[f"{name}_cpu_ms"] = r[name][1] * 1e3
+                    row["speedup_dispatch_cpu"] = r["bf16"][1] / r["dispatch"][1]
                 rows.append(row)
-                print(f"{m:>6}x{k:<6} N={n:<3} t={t}  bf16 {row['bf16_ms']:8.2f} ms  fused {row['fused_ms']:8.2f} ms"
-                      f"  x{row['speedup_fused']:.2f}  dispatch {row['dispatch_ms']:8.2f} ms x{row['speedup_dispatch']:.2f}"
-                      f"  paired x{row['paired_speedup_fused']:.2f} / x{row['paired_speedup_dispatch']:.2f}",
-                      flush=True)
+                print(f"{m:>6}x{k:<6} N={n:<3} t={t}  bf16 {row['bf16_ms']:8.2f} ms  v1 {row['v1_ms']:8.2f} ms"
+                      f" x{row['speedup_v1']:.2f}  bytesplit {row['bytesplit_ms']:8.2f} ms x{row['speedup_bytesplit']:.2f}"
+                      f"  dispatch {row['dispatch_ms']:8.2f} ms x{row['speedup_dispatch']:.2f}"
+                      f"  paired x{row['paired_speedup_v1']:.2f} / x{row['paired_speedup_bytesplit']:.2f}"
+                      f" / x{row['paired_speedup_dispatch']:.2f}", flush=True)
         if (m, k) == (4096, 4096):
             torch.set_num_threads(threads[-1])
             for n in THRESHOLD_NS[: 2 if args.quick else None]:
                 x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).bfloat16()
                 r = timed({
                     "bf16": lambda: F.linear(x, w),
-                    "fused": lambda: cpu_kernels.fused_linear(x, ct, threads=threads[-1]),
-                    "decode_linear": lambda: zipserv_vllm.linear(x, ct, mode="exact"),
+                    "v1": lambda: cpu_kernels.fused_linear(x, ct, threads=threads[-1]),
+                    "bytesplit": lambda: cpu_kernels.packed_linear(x, pt, threads=threads[-1]),
+                    "decode_linear": lambda: zipserv_vllm.linear(x, pt, mode="exact"),
                 }, max(3, reps // 3), warmup=1)
-                thr_rows.append(dict(M=m, K=k, N=n, threads=threads[-1], bf16_ms=r["bf16"][0] * 1e3,
-                                     fused_ms=r["fused"][0] * 1e3, decode_linear_ms=r["decode_linear"][0] * 1e3,
-                                     speedup_fused=r["bf16"][0] / r["fused"][0],
-                                     speedup_decode_linear=r["bf16"][0] / r["decode_linear"][0]))
-                tr = thr_rows[-1]
-                print(f"threshold {m}x{k} N={n:<4} t={threads[-1]}  bf16 {tr['bf16_ms']:9.2f}  fused {tr['fused_ms']:9.2f}"
-                      f" (x{tr['speedup_fused']:.2f})  decode+F.linear {tr['decode_linear_ms']:9.2f}"
-                      f" (x{tr['speedup_decode_linear']:.2f})", flush=True)
-        print(f"# {m}x{k}: {bits:.3f} bits/weight, compressed in {comp_s:.2f} s", flush=True)
-        del w, ct
+                tr = dict(M=m, K=k, N=n, threads=threads[-1], **{f"{name}_ms": r[name][0] * 1e3 for name in r})
+                for name in ("v1", "bytesplit", "decode_linear"):
+                    tr[f"speedup_{name}"] = r["bf16"][0] / r[name][0]
+                thr_rows.append(tr)
+                print(f"threshold {m}x{k} N={n:<4} t={threads[-1]}  bf16 {tr['bf16_ms']:9.2f}  v1 {tr['v1_ms']:9.2f}"
+                      f" (x{tr['speedup_v1']:.2f})  bytesplit {tr['bytesplit_ms']:9.2f} (x{tr['speedup_bytesplit']:.2f})"
+                      f"  decode+F.linear {tr['decode_linear_ms']:9.2f} (x{tr['speedup_decode_linear']:.2f})", flush=True)
+        print(f"# {m}x{k}: {bits:.3f} bits/weight in v1 (compressed in {comp_s:.2f} s), {bits_pk:.3f} in the "
+              f"byte-split layout (repacked from v1 in {pack_s:.2f} s)", flush=True)
+        del w, ct, pt
         gc.collect()
     result = dict(
         benchmark="bench_cpu_gemm",
@@ -157,19 +167,21 @@ def main() -> int:
         fused_max_n=cpu_kernels.fused_max_n(), reps=reps, reps_n1=reps_n1,
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
         rows=rows, threshold=thr_rows,
-        notes="medians of interleaved reps; *_cpu_ms = caller-thread CPU time (1-thread runs only); "
+        notes="medians of interleaved reps; v1 = fused kernel from TCA-TBE v1, bytesplit = fused kernel from "
+              "the CPU byte-split layout, dispatch = zipserv_vllm.linear(x, packed, mode='fast'); "
+              "*_cpu_ms = caller-thread CPU time (1-thread runs only); "
               "paired_* = median of per-repetition ratios (bf16 and the other call back to back)",
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print()
-    print(f"{'shape':>14} {'N':>3} {'thr':>3} {'bf16 ms':>9} {'fused ms':>9} {'x':>5} {'disp ms':>9} {'x':>5}"
-          f" {'paired':>6} {'paired':>6}  path")
+    print(f"{'shape':>14} {'N':>3} {'thr':>3} {'bf16 ms':>9} {'v1 ms':>9} {'x':>5} {'bsplit ms':>9} {'x':>5}"
+          f" {'disp ms':>9} {'x':>5} {'paired':>6}  path")
     for r in rows:
-        print(f"{r['M']:>6}x{r['K']:<7} {r['N']:>3} {r['threads']:>3} {r['bf16_ms']:9.2f} {r['fused_ms']:9.2f}"
-              f" {r['speedup_fused']:5.2f} {r['dispatch_ms']:9.2f} {r['speedup_dispatch']:5.2f}"
-              f" {r['paired_speedup_fused']:6.2f} {r['paired_speedup_dispatch']:6.2f}  {r['dispatch_path']}")
+        print(f"{r['M']:>6}x{r['K']:<7} {r['N']:>3} {r['threads']:>3} {r['bf16_ms']:9.2f} {r['v1_ms']:9.2f}"
+              f" {r['speedup_v1']:5.2f} {r['bytesplit_ms']:9.2f} {r['speedup_bytesplit']:5.2f} {r['dispatch_ms']:9.2f}"
+              f" {r['speedup_dispatch']:5.2f} {r['paired_speedup_dispatch']:6.2f}  {r['dispatch_path']}")
     print(f"load average before {load_before}, after {result['loadavg_after']}; wrote {args.out}")
     return 0
 

@@ -38,7 +38,7 @@ SIZES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                vocab_size=32000, std=0.02, max_position_embeddings=512),
 }
-VARIANTS = ("bf16", "precompressed", "pack_at_load")
+VARIANTS = ("bf16", "precompressed", "pack_at_load", "precompressed_fast", "pack_at_load_fast")
 PROMPTS = ["hello world", "The quick brown fox", "def forward(self, x):", "memory bandwidth is the"]
 
 
@@ -97,7 +97,7 @@ def child(model: str, quantization: str | None) -> dict:
     return {
         "weight_bytes": mem["total_bytes"], "param_and_buffer_bytes": mem["param_and_buffer_bytes"],
         "arena_bytes": mem["arena_bytes"], "arena_pages": mem["arena_pages"],
-        "layers_compressed": mem["layers_compressed"], "load_paths": mem["load_paths"],
+        "layers_compressed": mem["layers_compressed"], "load_paths": mem["load_paths"], "layouts": mem["layouts"],
         "compressed_bf16_bytes": mem["compressed_bf16_bytes"],
         "rss_before_engine": rss_before, "rss_after_load": rss_after, "peak_rss": _status("VmHWM"),
         "rss_anon_before_engine": anon_before, "rss_anon_after_load": anon_after, "rss_file_after_load": file_after,
@@ -126,9 +126,9 @@ def _prepare(size: str, workdir: Path) -> tuple[Path, Path, dict]:
     return bf16, zs, info
 
 
-def _run_child(model: Path, quantization: str | None, timeout: int) -> dict:
+def _run_child(model: Path, quantization: str | None, timeout: int, mode: str = "exact") -> dict:
     cmd = [sys.executable, __file__, "--child", str(model)] + (["--quantization", quantization] if quantization else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "ZIPSERV_MODE": mode})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child for {model} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = {"benchmark": "bench_memory", "host": os.uname().nodename, "cpus": os.cpu_count(),
-               "mode": "exact", "models": {}}
+               "mode": "exact (the *_fast variants: fast, i.e. the CPU byte-split layout)", "models": {}}
     try:
         import vllm.version as vv
 
@@ -168,9 +168,12 @@ def main(argv=None) -> int:
             "bf16": _run_child(bf16, None, args.timeout),
             "precompressed": _run_child(zs, None, args.timeout),
             "pack_at_load": _run_child(bf16, "zipserv", args.timeout),
+            # CPU fast mode: the layers are held in the byte-split layout (docs/FORMAT.md appendix A)
+            "precompressed_fast": _run_child(zs, None, args.timeout, mode="fast"),
+            "pack_at_load_fast": _run_child(bf16, "zipserv", args.timeout, mode="fast"),
         }
         base = runs["bf16"]
-        for name in ("precompressed", "pack_at_load"):
+        for name in VARIANTS[1:]:
             r = runs[name]
             r["weight_ratio_vs_bf16"] = round(base["weight_bytes"] / r["weight_bytes"], 4)
             r["weight_bytes_saved"] = base["weight_bytes"] - r["weight_bytes"]
@@ -184,12 +187,12 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
-    print(f"{'model':6} {'variant':14} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'anon RSS MiB':>13} "
+    print(f"{'model':6} {'variant':18} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'anon RSS MiB':>13} "
           f"{'peak anon MiB':>14} {'peak RSS MiB':>13} {'start s':>8} {'tokens=':>7}")
     for size, m in results["models"].items():
         for name in VARIANTS:
             r = m["runs"][name]
-            print(f"{size:6} {name:14} {_mib(r['weight_bytes']):>12} {r.get('weight_ratio_vs_bf16', 1.0):>7.3f} "
+            print(f"{size:6} {name:18} {_mib(r['weight_bytes']):>12} {r.get('weight_ratio_vs_bf16', 1.0):>7.3f} "
                   f"{_mib(r['arena_bytes']):>10} {_mib(r['rss_anon_after_load']):>13} "
                   f"{_mib(r['peak_rss_anon_during_load']):>14} {_mib(r['peak_rss']):>13} "
                   f"{r['engine_start_s']:>8} {str(r.get('tokens_equal_bf16', '-')):>7}")

@@ -53,17 +53,6 @@ def _same_packing(a: L.PackedTensor, b: L.PackedTensor) -> None:
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
 
 
-def test_constants_agree_with_cpp():
-    got = cpu_kernels._cpu_gemm.layout_constants()
-    got["code_positions"] = [tuple(p) for p in got["code_positions"]]
-    assert got == L.constants()
-    # every (FT, position) has its own nibble, and low bytes tile the record once
-    nibbles = {(L.code_byte(f, p), L.code_nibble(p)) for f in range(64) for p in range(64)}
-    los = {L.lo_byte(f, p) for f in range(64) for p in range(64)}
-    assert len(nibbles) == 4096 and len(los) == 4096 and not los & {b for b, _ in nibbles}
-    assert los | {b for b, _ in nibbles} == set(range(L.TILE_BYTES))
-
-
 @pytest.mark.parametrize("shape", [(256, 256), (512, 128), (1024, 64)])
 def test_all_bit_patterns_lossless(shape):
     w = _all_patterns(shape, seed=shape[1])

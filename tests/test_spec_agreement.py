@@ -1,4 +1,5 @@
-"""The C++ header (format.h) and the Python mirror (spec.py) define the same format."""
+"""The C++ headers (format.h, cpu_layout.h) and the Python mirrors (spec.py,
+cpu_layout.py) define the same format and the same CPU byte-split layout."""
 
 import pytest
 
@@ -23,3 +24,17 @@ def test_frag_geometry_covers_tile_once():
     assert (spec.frag_row0(2), spec.frag_col0(2)) == (0, 8)
     assert (spec.frag_row0(4), spec.frag_col0(4)) == (0, 16)
     assert (spec.frag_row0(16), spec.frag_col0(16)) == (16, 0)
+
+
+def test_cpu_layout_constants_agree():
+    from zipserv_vllm.format import cpu_layout as L
+
+    cg = pytest.importorskip("zipserv_vllm._cpu_gemm", reason="CPU kernel extension not built (pip install -e .)")
+    got = cg.layout_constants()
+    got["code_positions"] = [tuple(p) for p in got["code_positions"]]
+    assert got == L.constants()
+    # every (FT, position) has its own nibble, and the low bytes and code bytes tile the record once
+    nibbles = {(L.code_byte(f, p), L.code_nibble(p)) for f in range(64) for p in range(64)}
+    los = {L.lo_byte(f, p) for f in range(64) for p in range(64)}
+    assert len(nibbles) == 4096 and len(los) == 4096 and not los & {b for b, _ in nibbles}
+    assert los | {b for b, _ in nibbles} == set(range(L.TILE_BYTES))
