@@ -32,6 +32,7 @@ if glob.glob("csrc/cpu_gemm/*.cpp"):
         # OpenMP: the kernels run on torch's own libgomp threads (csrc/cpu_gemm/parallel.cpp).
         Pybind11Extension(
             "zipserv_vllm._cpu_gemm", sorted(glob.glob("csrc/cpu_gemm/*.cpp")),
+            depends=sorted(glob.glob("csrc/cpu_gemm/*.inc") + glob.glob("csrc/include/zipserv/*.h")),
             **{**COMMON, "extra_compile_args": COMMON["extra_compile_args"] + ["-fopenmp"],
                "extra_link_args": COMMON["extra_link_args"] + ["-fopenmp"]},
         )

@@ -8,6 +8,7 @@
 // across them) gives each high element's index into 16 bytes of the
 // sign-mantissa stream loaded per 16 elements, and one pshufb expands them.
 // The shared body (simd_common.inc) assembles fp32 weights and runs the FMAs.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

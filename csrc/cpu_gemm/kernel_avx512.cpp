@@ -14,6 +14,7 @@
 //
 // NOTE: the development machine has no AVX-512, so this path is compiled and
 // dispatch-guarded but has not been executed there.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
