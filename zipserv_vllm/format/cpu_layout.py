@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import spec
-from .tensor import FormatError, grid
+from .tensor import FormatError, MatrixArrays, grid
 
 LO_BYTES = spec.FRAG_ELEMS  # 64 low bytes per FT record
 CODE_BYTES = spec.FRAG_ELEMS // 2  # 32 code bytes per FT record
@@ -76,7 +76,7 @@ def _tiles_ft_order(a: np.ndarray, m: int, k: int, fill) -> np.ndarray:
 
 
 @dataclass(eq=False)
-class PackedTensor:
+class PackedTensor(MatrixArrays):
     """A BF16 matrix of ``shape`` [M, K] in the CPU byte-split layout.
 
     tiles: uint8 [Mt, Kt, 6144]; luts: uint8 [Mt, Kt, 16]; exc_start: int64
@@ -91,23 +91,11 @@ class PackedTensor:
     exc: torch.Tensor
 
     @property
-    def grid(self) -> tuple[int, int]:
-        return grid(*self.shape)
-
-    @property
     def device(self) -> torch.device:
         return self.tiles.device
 
     def arrays(self) -> dict[str, torch.Tensor]:
         return {"tiles": self.tiles, "luts": self.luts, "exc_start": self.exc_start, "exc": self.exc}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.arrays().values())
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def validate(self, name: str = "tensor") -> None:
         """Raise FormatError unless shapes, dtypes and the exception lists are valid."""

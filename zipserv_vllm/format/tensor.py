@@ -75,8 +75,31 @@ def parse_meta(values, name: str = "tensor") -> tuple[int, int, int, int, int]:
     return magic, version, m, k, crc
 
 
+class MatrixArrays:
+    """What every stored form of a BF16 matrix [M, K] offers from ``shape`` and
+    ``arrays()`` (CompressedTensor, cpu_layout.PackedTensor)."""
+
+    shape: tuple[int, int]
+
+    def arrays(self) -> dict[str, torch.Tensor]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return grid(*self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte stored for this matrix."""
+        return sum(t.numel() * t.element_size() for t in self.arrays().values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
+
+
 @dataclass(eq=False)
-class CompressedTensor:
+class CompressedTensor(MatrixArrays):
     """A BF16 matrix of ``shape`` [M, K] in TCA-TBE v1.
 
     bitmaps: int64 [Mt, Kt, 3, 64] (uint64 bit patterns); base: uint8 [Mt, Kt];
@@ -96,10 +119,6 @@ class CompressedTensor:
 
     # ----------------------------------------------------------------- basics
     @property
-    def grid(self) -> tuple[int, int]:
-        return grid(*self.shape)
-
-    @property
     def device(self) -> torch.device:
         return self.sm.device
 
@@ -117,15 +136,6 @@ class CompressedTensor:
             "zs_sm": self.sm,
             "zs_fb": self.fb,
         }
-
-    @property
-    def nbytes(self) -> int:
-        """Every byte stored for this matrix, metadata included."""
-        return sum(t.numel() * t.element_size() for t in self.arrays().values())
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def to(self, device) -> "CompressedTensor":
         """The same tensor on another device (arrays copied, shape kept)."""
