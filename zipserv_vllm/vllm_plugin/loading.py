@@ -27,12 +27,11 @@ layer at a time, each v1 page released as soon as no layer still needs it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-
-import os
 
 from ..codec import compress_tensor, decompress_tensor
 from ..format import CompressedTensor, FormatError, parse_meta, spec
@@ -43,9 +42,7 @@ from .tiles import TilePlan, compressed_from_table, store_compressed
 
 WEIGHT = "weight"
 SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb
-
-
-CPU_LAYOUTS = ("bytesplit", "v1")
+CPU_LAYOUTS = ("bytesplit", "v1")  # ZIPSERV_CPU_LAYOUT values; the first is the default
 
 
 class ZipServLoadError(ValueError):
