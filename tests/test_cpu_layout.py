@@ -25,18 +25,11 @@ from zipserv_vllm.embedding import compressed_embedding
 from zipserv_vllm.format import FormatError
 from zipserv_vllm.format import cpu_layout as L
 
+from test_cpu_gemm import _bits, _weight  # the same helpers as the v1 kernel's tests
+
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 
 SHAPES = ((1, 1), (63, 65), (65, 63), (64, 64), (130, 200), (64, 65), (3, 300))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
-
-
-def _weight(m, k, seed=0, scale=0.02):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, k, generator=g) * scale).bfloat16()
 
 
 def _all_patterns(shape=(256, 256), seed=0) -> torch.Tensor:

@@ -109,7 +109,7 @@ inline void decode_ft_avx2(const uint64_t* pl, const uint8_t*& smp, const uint16
 namespace zipserv {
 namespace cpu {
 
-Kernel avx2_kernel() { return {"avx2", gemm_rows, decode_rows, packed_gemm_rows, packed_decode_rows}; }
+Kernel avx2_kernel() { return make_kernel("avx2"); }
 
 bool avx2_supported() {
   __builtin_cpu_init();

@@ -96,7 +96,7 @@ inline void decode_ft_avx512(const uint64_t* pl, const uint8_t*& smp, const uint
 namespace zipserv {
 namespace cpu {
 
-Kernel avx512_kernel() { return {"avx512", gemm_rows, decode_rows, packed_gemm_rows, packed_decode_rows}; }
+Kernel avx512_kernel() { return make_kernel("avx512"); }
 
 bool avx512_supported() {
   __builtin_cpu_init();

@@ -135,14 +135,11 @@ void decode_rows_t(const DecodeJobT<W>& job, int64_t tm0, int64_t tm1) {
   }
 }
 
-void gemm_rows(const GemmJob& job, int64_t tm0, int64_t tm1) { gemm_rows_t(job, tm0, tm1); }
-void decode_rows(const DecodeJob& job, int64_t tm0, int64_t tm1) { decode_rows_t(job, tm0, tm1); }
-void packed_gemm_rows(const PackedGemmJob& job, int64_t tm0, int64_t tm1) { gemm_rows_t(job, tm0, tm1); }
-void packed_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) { decode_rows_t(job, tm0, tm1); }
-
 }  // namespace
 
-Kernel scalar_kernel() { return {"scalar", gemm_rows, decode_rows, packed_gemm_rows, packed_decode_rows}; }
+Kernel scalar_kernel() {
+  return {"scalar", gemm_rows_t<Matrix>, decode_rows_t<Matrix>, gemm_rows_t<Packed>, decode_rows_t<Packed>};
+}
 
 }  // namespace cpu
 }  // namespace zipserv

@@ -70,7 +70,7 @@ void check(const py::array& a, const char* name, const char* kinds, int itemsize
 Matrix matrix(const py::array& bitmaps, const py::array& base, const py::array& offsets, const py::array& sm,
               const py::array& fb, int64_t m, int64_t k) {
   if (m < 1 || k < 1) throw std::invalid_argument("matrix shape must be positive, got " + std::to_string(m) + " x " + std::to_string(k));
-  const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
+  const int64_t mt = tile_count(m), kt = tile_count(k);
   check(bitmaps, "bitmaps", "ui", 8, {mt, kt, kPlanes, kFragsPerTile});
   check(base, "base", "u", 1, {mt, kt});
   check(offsets, "offsets", "i", 8, {mt, kt, 2});
@@ -82,17 +82,18 @@ Matrix matrix(const py::array& bitmaps, const py::array& base, const py::array& 
                 static_cast<int64_t>(fb.shape(0)),             m, k, mt, kt};
 }
 
-void raise_bad(int64_t g, const Matrix& w) {
-  if (g >= 0) {
-    throw std::invalid_argument("tile (" + std::to_string(g / w.kt) + ", " + std::to_string(g % w.kt) +
-                                ") has segment offsets outside the streams or misaligned");
-  }
+constexpr const char* kV1Bad = "has segment offsets outside the streams or misaligned";
+constexpr const char* kPackedBad = "of the byte-split layout has a malformed exception list";
+
+// Raises for the first malformed tile g (>= 0) that a kernel reported.
+void raise_bad(int64_t g, int64_t kt, const char* what) {
+  if (g >= 0) throw std::invalid_argument("tile (" + std::to_string(g / kt) + ", " + std::to_string(g % kt) + ") " + what);
 }
 
 Packed packed(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
               int64_t m, int64_t k) {
   if (m < 1 || k < 1) throw std::invalid_argument("matrix shape must be positive, got " + std::to_string(m) + " x " + std::to_string(k));
-  const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
+  const int64_t mt = tile_count(m), kt = tile_count(k);
   check(tiles, "tiles", "u", 1, {mt, kt, kPkTileBytes});
   check(luts, "luts", "u", 1, {mt, kt, kPkLutEntries});
   check(exc_start, "exc_start", "i", 8, {mt * kt + 1});
@@ -100,13 +101,6 @@ Packed packed(const py::array& tiles, const py::array& luts, const py::array& ex
   return Packed{static_cast<const uint8_t*>(tiles.data()), static_cast<const uint8_t*>(luts.data()),
                 static_cast<const int64_t*>(exc_start.data()), static_cast<const uint32_t*>(exc.data()),
                 static_cast<int64_t>(exc.shape(0)), m, k, mt, kt};
-}
-
-void raise_bad_packed(int64_t g, const Packed& w) {
-  if (g >= 0) {
-    throw std::invalid_argument("tile (" + std::to_string(g / w.kt) + ", " + std::to_string(g % w.kt) +
-                                ") of the byte-split layout has a malformed exception list");
-  }
 }
 
 // y = x . W^T + bias by kernel function fn (W a Matrix or a Packed).
@@ -131,30 +125,18 @@ void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py:
   const uint16_t* xs = static_cast<const uint16_t*>(x.data());
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < w.k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * w.k + c]);
-  GemmJobT<W> job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
-  struct Ctx {
-    const GemmJobT<W>* job;
-    Fn fn;
-  } ctx{&job, fn};
-  parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
-    auto* g = static_cast<Ctx*>(c);
-    g->fn(*g->job, a, b);
-  }, &ctx);
+  const GemmJobT<W> job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
+  auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
+  parallel_for(w.mt, threads, body);
 }
 
 template <class W, class Fn>
 void run_decode(const W& w, Fn fn, py::array& out, int threads, std::atomic<int64_t>& bad) {
   check(out, "out", "ui", 2, {w.m, w.k});
   py::gil_scoped_release nogil;
-  DecodeJobT<W> job{w, static_cast<uint16_t*>(out.mutable_data()), &bad};
-  struct Ctx {
-    const DecodeJobT<W>* job;
-    Fn fn;
-  } ctx{&job, fn};
-  parallel_for(w.mt, threads, [](void* c, int64_t a, int64_t b) {
-    auto* d = static_cast<Ctx*>(c);
-    d->fn(*d->job, a, b);
-  }, &ctx);
+  const DecodeJobT<W> job{w, static_cast<uint16_t*>(out.mutable_data()), &bad};
+  auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
+  parallel_for(w.mt, threads, body);
 }
 
 void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, const py::array& offsets,
@@ -164,7 +146,7 @@ void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, c
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
   std::atomic<int64_t> bad{-1};
   run_gemm(w, kern.gemm_rows, x, bias, out, threads, bad);
-  raise_bad(bad.load(), w);
+  raise_bad(bad.load(), w.kt, kV1Bad);
 }
 
 void decode(const py::array& bitmaps, const py::array& base, const py::array& offsets, const py::array& sm,
@@ -173,7 +155,7 @@ void decode(const py::array& bitmaps, const py::array& base, const py::array& of
   const Matrix w = matrix(bitmaps, base, offsets, sm, fb, m, k);
   std::atomic<int64_t> bad{-1};
   run_decode(w, kern.decode_rows, out, threads, bad);
-  raise_bad(bad.load(), w);
+  raise_bad(bad.load(), w.kt, kV1Bad);
 }
 
 void packed_gemm(const py::array& x, const py::array& tiles, const py::array& luts, const py::array& exc_start,
@@ -183,7 +165,7 @@ void packed_gemm(const py::array& x, const py::array& tiles, const py::array& lu
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
   std::atomic<int64_t> bad{-1};
   run_gemm(w, kern.packed_gemm_rows, x, bias, out, threads, bad);
-  raise_bad_packed(bad.load(), w);
+  raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
 void packed_decode(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
@@ -192,7 +174,7 @@ void packed_decode(const py::array& tiles, const py::array& luts, const py::arra
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
   std::atomic<int64_t> bad{-1};
   run_decode(w, kern.packed_decode_rows, out, threads, bad);
-  raise_bad_packed(bad.load(), w);
+  raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
 // W (bf16 bits [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout.
@@ -200,7 +182,7 @@ py::tuple pack(const py::array& w, int threads) {
   if (w.ndim() != 2 || w.shape(0) < 1 || w.shape(1) < 1) throw std::invalid_argument("pack takes a non-empty 2-D matrix");
   const int64_t m = w.shape(0), k = w.shape(1);
   check(w, "w", "ui", 2, {m, k});
-  const int64_t mt = (m + kTile - 1) / kTile, kt = (k + kTile - 1) / kTile;
+  const int64_t mt = tile_count(m), kt = tile_count(k);
   py::array_t<uint8_t> tiles({mt, kt, static_cast<int64_t>(kPkTileBytes)});
   py::array_t<uint8_t> luts({mt, kt, static_cast<int64_t>(kPkLutEntries)});
   py::array_t<int64_t> exc_start({mt * kt + 1});

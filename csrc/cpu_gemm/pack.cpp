@@ -29,11 +29,6 @@ void tile_table(const int32_t counts[256], uint8_t lut[kPkLutEntries]) {
   for (int i = 0; i < kPkLutEntries; ++i) lut[i] = static_cast<uint8_t>(keep ? used[std::min(i, keep - 1)] : 0);
 }
 
-struct PackCtx {
-  const PackJob* job;
-  std::vector<std::vector<uint32_t>>* exc;  // per tile
-};
-
 void pack_rows(const PackJob& job, std::vector<std::vector<uint32_t>>& exc, int64_t tm0, int64_t tm1) {
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     for (int64_t tk = 0; tk < job.kt; ++tk) {
@@ -101,11 +96,8 @@ void pack_rows(const PackJob& job, std::vector<std::vector<uint32_t>>& exc, int6
 
 std::vector<uint32_t> pack_matrix(const PackJob& job, int threads, int64_t* exc_start) {
   std::vector<std::vector<uint32_t>> exc(static_cast<size_t>(job.mt * job.kt));
-  PackCtx ctx{&job, &exc};
-  parallel_for(job.mt, threads, [](void* c, int64_t a, int64_t b) {
-    auto* p = static_cast<PackCtx*>(c);
-    pack_rows(*p->job, *p->exc, a, b);
-  }, &ctx);
+  auto body = [&](int64_t a, int64_t b) { pack_rows(job, exc, a, b); };  // exc: per tile
+  parallel_for(job.mt, threads, body);
   std::vector<uint32_t> all;
   exc_start[0] = 0;
   for (size_t g = 0; g < exc.size(); ++g) {

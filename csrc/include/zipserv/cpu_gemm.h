@@ -145,5 +145,11 @@ inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
 // not depend on `threads`.
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
 
+// The same for any callable body(tm0, tm1).
+template <class Body>
+void parallel_for(int64_t items, int threads, Body& body) {
+  parallel_for(items, threads, [](void* c, int64_t a, int64_t b) { (*static_cast<Body*>(c))(a, b); }, &body);
+}
+
 }  // namespace cpu
 }  // namespace zipserv

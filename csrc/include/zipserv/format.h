@@ -44,6 +44,9 @@ ZS_HD int frag_col0(int f) { return ((f / 4) % 4) * 16 + ((f % 4) / 2) * 8; }
 
 ZS_HD int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
+// Number of tiles along a dimension of n elements (Mt for M, Kt for K).
+ZS_HD int64_t tile_count(int64_t n) { return (n + kTile - 1) / kTile; }
+
 // Segment lengths of a tile with H high-frequency elements.
 ZS_HD int64_t sm_segment_len(int64_t h) { return round_up(h, kSmAlign); }
 ZS_HD int64_t fb_segment_len(int64_t h) { return round_up(kTileElems - h, kFbAlign); }
