@@ -96,6 +96,7 @@ def child(model: str, quantization: str | None) -> dict:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return {
         "weight_bytes": mem["total_bytes"], "param_and_buffer_bytes": mem["param_and_buffer_bytes"],
+        "prepacked_bytes": mem["prepacked_bytes"],
         "arena_bytes": mem["arena_bytes"], "arena_pages": mem["arena_pages"],
         "layers_compressed": mem["layers_compressed"], "load_paths": mem["load_paths"], "layouts": mem["layouts"],
         "compressed_bf16_bytes": mem["compressed_bf16_bytes"],
@@ -180,7 +181,8 @@ def main(argv=None) -> int:
             r["rss_after_load_saved"] = base["rss_after_load"] - r["rss_after_load"]
             r["rss_anon_after_load_saved"] = base["rss_anon_after_load"] - r["rss_anon_after_load"]
             r["tokens_equal_bf16"] = r["tokens"] == base["tokens"]
-        n_params = base["param_and_buffer_bytes"] // 2  # BF16 storage / 2 bytes (buffers included)
+        # BF16 storage / 2 bytes (buffers and weights prepacked by vLLM's CPU GEMM included)
+        n_params = (base["param_and_buffer_bytes"] + base["prepacked_bytes"]) // 2
         results["models"][size] = {"config": SIZES[size], "approx_params": n_params, **info, "runs": runs}
 
     out = Path(args.out)

@@ -3,9 +3,17 @@
 :func:`weight_memory` walks a model *as vLLM loaded it* and counts the bytes of
 every distinct tensor storage it holds (parameters and buffers, each storage
 once, so tied or shared tensors are not counted twice) plus every zipserv
-arena page. Nothing is computed from shapes except ``compressed_bf16_bytes``,
-the size the compressed layers would have in BF16, for the ratio.
-Use it through ``LLM.apply_model(weight_memory)``.
+arena page.
+
+vLLM's CPU backend may move a BF16 layer's weight out of its parameter into a
+prepacked GEMM kernel (``dispatch_cpu_unquantized_gemm(remove_weight=True)``:
+the SGL or zentorch kernels hold a packed tensor, oneDNN a handle to its own
+reordered copy). The tensors such a kernel's closure holds are counted like
+parameters; a oneDNN handle does not expose its buffer, so it is counted as
+``K * N * itemsize`` bytes and reported separately as ``prepacked_bytes``.
+Apart from that, nothing is computed from shapes except
+``compressed_bf16_bytes``, the size the compressed layers would have in BF16,
+for the ratio. Use it through ``LLM.apply_model(weight_memory)``.
 """
 
 from __future__ import annotations
@@ -20,13 +28,36 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int] | None:
     return (t.device.type, s.data_ptr()), s.nbytes()
 
 
+def _prepacked(mod: torch.nn.Module, storages: dict[tuple, int]) -> int:
+    """Weights a CPU GEMM kernel took out of ``mod.weight``: tensors in its closure go
+    into ``storages``; returns the bytes of oneDNN handles (K * N * itemsize)."""
+    fn = mod.__dict__.get("cpu_linear")
+    w = mod.__dict__.get("_parameters", {}).get("weight")
+    if fn is None or w is None or w.numel():
+        return 0
+    handles = 0
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            obj = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(obj, torch.Tensor):
+            kb = _storage_key_and_bytes(obj)
+            if kb is not None:
+                storages[kb[0]] = kb[1]
+        elif hasattr(obj, "handler_tensor") and getattr(obj, "k", -1) > 0 and getattr(obj, "n", -1) > 0:
+            handles += obj.k * obj.n * w.element_size()
+    return handles
+
+
 def weight_memory(model: torch.nn.Module) -> dict:
-    """Bytes of the model's parameters/buffers and of its zipserv arenas."""
+    """Bytes of the model's parameters/buffers, prepacked CPU GEMM weights and zipserv arenas."""
     storages: dict[tuple, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
         kb = _storage_key_and_bytes(t)
         if kb is not None:
             storages[kb[0]] = kb[1]
+    prepacked = sum(_prepacked(mod, storages) for mod in model.modules())
     from ..format.cpu_layout import PackedTensor
 
     arenas, compressed, bf16, paths, equiv, parts, layouts = {}, 0, 0, {}, 0, {}, {}
@@ -48,10 +79,11 @@ def weight_memory(model: torch.nn.Module) -> dict:
     param_bytes = sum(storages.values())
     arena_bytes = sum(a.allocated_bytes for a in arenas.values())
     return {
-        "param_and_buffer_bytes": param_bytes,
+        "param_and_buffer_bytes": param_bytes,  # incl. tensors held by prepacked CPU GEMM kernels
+        "prepacked_bytes": prepacked,  # oneDNN-held weights, K * N * itemsize each
         "arena_bytes": arena_bytes,
         "arena_pages": sum(a.num_pages for a in arenas.values()),
-        "total_bytes": param_bytes + arena_bytes,
+        "total_bytes": param_bytes + prepacked + arena_bytes,
         "layers_compressed": compressed,
         "layers_bf16": bf16,
         "load_paths": paths,
