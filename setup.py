@@ -25,7 +25,9 @@ COMMON = dict(
 )
 
 extensions = [
-    Pybind11Extension("zipserv_vllm._C", sorted(glob.glob("csrc/*.cpp")), **COMMON),
+    # zlib: CRC-32 of stored arrays and tiles (csrc/codec.cpp); zlib.h comes with the Python headers' toolchain.
+    Pybind11Extension("zipserv_vllm._C", sorted(glob.glob("csrc/*.cpp")),
+                      depends=sorted(glob.glob("csrc/include/zipserv/*.h")), libraries=["z"], **COMMON),
 ]
 if glob.glob("csrc/cpu_gemm/*.cpp"):
     extensions.append(

@@ -32,6 +32,7 @@ static py::dict format_constants() {
   d["pad_sm"] = static_cast<int>(kPadSm);
   d["meta_len"] = kMetaLen;
   d["no_crc"] = kNoCrc;
+  d["tile_bitmap_bytes"] = kTileBitmapBytes;
   std::vector<int> r0, c0;
   for (int f = 0; f < kFragsPerTile; ++f) {
     r0.push_back(frag_row0(f));

@@ -32,6 +32,8 @@
 #include <thread>
 #include <vector>
 
+#include <zlib.h>
+
 #include "zipserv/format.h"
 #include "zipserv/tile_codec.h"
 
@@ -512,6 +514,116 @@ void decode(const py::array& bitmaps, const py::array& base, const py::array& of
   }
 }
 
+// ---------------------------------------------------------------- checks
+// CRC-32 (zlib's polynomial, as zlib.crc32) of a byte range, in parallel:
+// chunks are summed on their own and joined with crc32_combine.
+uint32_t crc32_range(const uint8_t* p, size_t n, int threads) {
+  constexpr size_t kMinChunk = size_t{4} << 20;
+  const int n_chunks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinChunk)));
+  std::vector<uLong> part(n_chunks, 0);
+  std::vector<size_t> len(n_chunks, 0);
+  parallel_chunks(static_cast<int64_t>(n), n_chunks, [&](int c, int64_t a, int64_t b) {
+    uLong crc = crc32_z(0L, Z_NULL, 0);
+    part[c] = crc32_z(crc, p + a, static_cast<z_size_t>(b - a));
+    len[c] = static_cast<size_t>(b - a);
+  });
+  uLong crc = part[0];
+  for (int c = 1; c < n_chunks; ++c) crc = crc32_combine(crc, part[c], static_cast<z_off_t>(len[c]));
+  return static_cast<uint32_t>(crc);
+}
+
+uint32_t crc32_buffer(const py::buffer& b, int threads) {
+  if (threads < 1) throw py::value_error("threads must be >= 1, got " + std::to_string(threads));
+  py::buffer_info info = b.request();
+  if (info.ndim > 0) {
+    py::ssize_t expect = info.itemsize;
+    for (py::ssize_t i = info.ndim; i-- > 0;) {
+      if (info.shape[i] > 1 && info.strides[i] != expect) throw py::value_error("crc32: the buffer must be contiguous");
+      expect *= info.shape[i];
+    }
+  }
+  const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  py::gil_scoped_release nogil;
+  return crc32_range(static_cast<const uint8_t*>(info.ptr), n, threads);
+}
+
+bool bytes_equal(const py::buffer& a, const py::buffer& b, int threads) {
+  if (threads < 1) throw py::value_error("threads must be >= 1, got " + std::to_string(threads));
+  py::buffer_info x = a.request(), y = b.request();
+  const size_t n = static_cast<size_t>(x.size) * x.itemsize, n2 = static_cast<size_t>(y.size) * y.itemsize;
+  if (n != n2) return false;
+  const uint8_t* p = static_cast<const uint8_t*>(x.ptr);
+  const uint8_t* q = static_cast<const uint8_t*>(y.ptr);
+  constexpr size_t kMinChunk = size_t{8} << 20;
+  const int n_chunks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(threads, n / kMinChunk)));
+  std::atomic<bool> same{true};
+  py::gil_scoped_release nogil;
+  parallel_chunks(static_cast<int64_t>(n), n_chunks, [&](int, int64_t lo, int64_t hi) {
+    if (hi > lo && std::memcmp(p + lo, q + lo, static_cast<size_t>(hi - lo)) != 0) same = false;
+  });
+  return same.load();
+}
+
+// CRC-32 of every tile's stored bytes (docs/FORMAT.md section 6, zs_crc): its
+// 1536 bit-plane bytes, its base byte, its sign-mantissa segment and its
+// fallback segment, in that order. A segment outside its stream is an error
+// naming the tile (as decode's).
+py::array_t<uint32_t> tile_crc(const py::array& bitmaps, const py::array& base, const py::array& offsets,
+                               const py::array& sm, const py::array& fb, int threads) {
+  require(bitmaps, "bitmaps", 'u', 8, 4);
+  require(base, "base", 'u', 1, 2);
+  require(offsets, "offsets", 'i', 8, 3);
+  require(sm, "sm", 'u', 1, 1);
+  require(fb, "fb", 'u', 2, 1);
+  const int64_t mt = bitmaps.shape(0), kt = bitmaps.shape(1), g_count = mt * kt;
+  if (bitmaps.shape(2) != kPlanes || bitmaps.shape(3) != kFragsPerTile || base.shape(0) != mt ||
+      base.shape(1) != kt || offsets.shape(0) != mt || offsets.shape(1) != kt || offsets.shape(2) != 2)
+    throw py::value_error("tile_crc: bitmaps " + shape_str(bitmaps) + ", base " + shape_str(base) + " and offsets " +
+                          shape_str(offsets) + " do not describe one tile grid");
+  py::array_t<uint32_t> out({mt, kt});
+  const uint64_t* bm = static_cast<const uint64_t*>(bitmaps.data());
+  const uint8_t* bp = static_cast<const uint8_t*>(base.data());
+  const int64_t* op = static_cast<const int64_t*>(offsets.data());
+  const uint8_t* smp = static_cast<const uint8_t*>(sm.data());
+  const uint8_t* fbp = static_cast<const uint8_t*>(fb.data());
+  const int64_t sm_len = sm.shape(0), fb_len = fb.shape(0);
+  uint32_t* dst = out.mutable_data();
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  const int n_chunks = chunks_for(threads, g_count);
+  {
+    py::gil_scoped_release nogil;
+    parallel_chunks(g_count, n_chunks, [&](int, int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint64_t* planes = bm + g * kPlanes * kFragsPerTile;
+        int64_t h = 0;
+        for (int f = 0; f < kFragsPerTile; ++f)
+          h += __builtin_popcountll(planes[f] | planes[kFragsPerTile + f] | planes[2 * kFragsPerTile + f]);
+        const int64_t so = op[2 * g], fo = op[2 * g + 1];
+        const int64_t sl = sm_segment_len(h), fl = fb_segment_len(h);
+        if (so < 0 || fo < 0 || so + sl > sm_len || fo + fl > fb_len) {
+          int64_t cur = first_bad.load();
+          while (g < cur && !first_bad.compare_exchange_weak(cur, g)) {
+          }
+          return;
+        }
+        uLong crc = crc32_z(0L, Z_NULL, 0);
+        crc = crc32_z(crc, reinterpret_cast<const Bytef*>(planes), kTileBitmapBytes);
+        crc = crc32_z(crc, bp + g, 1);
+        crc = crc32_z(crc, smp + so, static_cast<z_size_t>(sl));
+        crc = crc32_z(crc, fbp + 2 * fo, static_cast<z_size_t>(2 * fl));
+        dst[g] = static_cast<uint32_t>(crc);
+      }
+    });
+  }
+  const int64_t bad = first_bad.load();
+  if (bad != std::numeric_limits<int64_t>::max())
+    throw py::value_error("tile (" + std::to_string(bad / kt) + ", " + std::to_string(bad % kt) +
+                          "): segments at (" + std::to_string(op[2 * bad]) + ", " + std::to_string(op[2 * bad + 1]) +
+                          ") overrun streams of " + std::to_string(sm_len) + " sm bytes and " +
+                          std::to_string(fb_len) + " fb elements: truncated or corrupt data");
+  return out;
+}
+
 }  // namespace
 
 void register_codec(py::module_& m) {
@@ -528,6 +640,13 @@ void register_codec(py::module_& m) {
         "Force the tile kernels: 'scalar', 'avx2' (if supported) or 'auto' (the best this CPU runs).");
   m.def("get_isa", [] { return std::string(isa_name(current_isa())); }, "The instruction set in use.");
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU and build can run.");
+  m.def("crc32", &crc32_buffer, py::arg("buffer"), py::arg("threads") = 1,
+        "zlib CRC-32 of a contiguous buffer's bytes (as zlib.crc32), computed on threads.");
+  m.def("bytes_equal", &bytes_equal, py::arg("a"), py::arg("b"), py::arg("threads") = 1,
+        "True when two buffers hold the same bytes.");
+  m.def("tile_crc", &tile_crc, py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"),
+        py::arg("fb"), py::arg("threads") = 1,
+        "uint32 [Mt, Kt]: the CRC-32 of each tile's stored bytes (docs/FORMAT.md, zs_crc).");
 }
 
 }  // namespace zipserv

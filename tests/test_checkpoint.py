@@ -154,7 +154,7 @@ def test_summary_numbers(models, tmp_path):
     expect: dict[str, list[int]] = {}
     for name, t in load_all(src).items():
         if compressible(name, t):
-            kind, after = layer_kind(name), compress_tensor(t).nbytes
+            kind, after = layer_kind(name), compress_tensor(t, checksums=True).nbytes
         else:
             kind, after = "uncompressed", t.numel() * t.element_size()
         e = expect.setdefault(kind, [0, 0, 0, 0])
@@ -324,18 +324,48 @@ def test_compressible_and_kinds():
             parse_size(bad)
 
 
-def test_copies_side_files_but_no_foreign_weights(models, tmp_path):
+def test_every_source_file_is_accounted_for(models, tmp_path):
+    """Every file reaches the output byte for byte (weights in subfolders included, e.g. a
+    sentence-transformers Dense layer), except copies of the main weights in other formats,
+    which are named; verify --against checks the files too, and decompress restores them."""
+    from safetensors.torch import save_file
+
     src = tmp_path / "src"
     shutil.copytree(models["llama"], src)
     (src / "README.md").write_text("# tiny\n")
-    (src / "pytorch_model.bin").write_bytes(b"not copied")
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (src / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "", "type": "x.Transformer"}]')
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (src / "2_Dense").mkdir()
+    save_file({"linear.weight": torch.randn(32, 256).to(torch.bfloat16)}, str(src / "2_Dense" / "model.safetensors"))
+    (src / "pytorch_model.bin").write_bytes(b"a PyTorch copy")
+    (src / "original").mkdir()
+    (src / "original" / "consolidated.00.pth").write_bytes(b"Meta's copy")
+    (src / "original" / "params.json").write_text("{}")
     (src / "extra").mkdir()
-    (src / "extra" / "notes.txt").write_text("kept")
-    (src / "extra" / "consolidated.pth").write_bytes(b"not copied")
+    (src / "extra" / "adapter.pth").write_bytes(b"cannot be classified: copied")
     (src / ".cache").mkdir()
+    (src / ".cache" / "x").write_text("download cache")
     report = compress_checkpoint(src, tmp_path / "zs", progress=False)
     dst = tmp_path / "zs"
-    assert (dst / "README.md").read_text() == "# tiny\n" and (dst / "extra" / "notes.txt").read_text() == "kept"
-    assert not (dst / "pytorch_model.bin").exists() and not (dst / "extra" / "consolidated.pth").exists()
-    assert not (dst / ".cache").exists()
-    assert sorted(report.skipped_files) == ["extra/consolidated.pth", "pytorch_model.bin"]
+    copied = ["1_Pooling/config.json", "2_Dense/model.safetensors", "extra/adapter.pth", "original/params.json",
+              ".gitattributes", "README.md", "modules.json"]
+    for rel in copied:
+        assert (dst / rel).read_bytes() == (src / rel).read_bytes(), rel
+    assert sorted(d[0] for d in report.side.duplicates) == ["original/consolidated.00.pth", "pytorch_model.bin"]
+    assert not (dst / "pytorch_model.bin").exists() and not (dst / "original" / "consolidated.00.pth").exists()
+    assert not (dst / ".cache").exists() and report.side.ignored == [".cache/"]
+    rep = verify_checkpoint(dst, src, progress=False)
+    others = [f for f in models["llama"].iterdir() if f.name not in ("config.json", "model.safetensors")]
+    assert rep.ok and rep.files_checked == len(copied) + len(others)  # + tokenizer.json, chat_template.jinja...
+    (dst / "2_Dense" / "model.safetensors").write_bytes(b"damaged")
+    rep = verify_checkpoint(dst, src, progress=False)
+    assert [p.split(":")[0] for p in rep.problems] == ["2_Dense/model.safetensors"]
+    (dst / "2_Dense" / "model.safetensors").unlink()
+    rep = verify_checkpoint(dst, src, progress=False)
+    assert rep.problems == [f"2_Dense/model.safetensors: in {src} but missing from {dst}"]
+    shutil.copy(src / "2_Dense" / "model.safetensors", dst / "2_Dense" / "model.safetensors")
+    decompress_checkpoint(dst, tmp_path / "back", progress=False)
+    for rel in copied:
+        assert (tmp_path / "back" / rel).read_bytes() == (src / rel).read_bytes(), rel

@@ -163,10 +163,15 @@ def test_not_a_checkpoint(small, tmp_path, capsys):
     rc, _, err = run(["compress", empty, tmp_path / "o"], capsys)
     assert rc == 2 and one_error_line(err) == f"zipserv: error: {empty}: not a Hugging Face checkpoint (no config.json)"
     (empty / "config.json").write_text("{}")
+    (empty / "model.pt").write_bytes(b"")
+    rc, _, err = run(["compress", empty, tmp_path / "o"], capsys)
+    assert rc == 2 and one_error_line(err) == (
+        f"zipserv: error: {empty}: not a checkpoint: no *.safetensors or pytorch_model*.bin files "
+        "(found model.pt: zipserv reads safetensors and pytorch_model*.bin checkpoints)")
     (empty / "pytorch_model.bin").write_bytes(b"")
     rc, _, err = run(["compress", empty, tmp_path / "o"], capsys)
-    assert rc == 2 and one_error_line(err) == (f"zipserv: error: {empty}: not a checkpoint: no *.safetensors files "
-                                               "(found pytorch_model.bin: convert it to safetensors first)")
+    assert rc == 2 and one_error_line(err) == (f"zipserv: error: {empty / 'pytorch_model.bin'}: not a readable "
+                                               "PyTorch checkpoint (EOFError); truncated or corrupt?")
     (empty / "config.json").write_text("{not json")
     rc, _, err = run(["compress", empty, tmp_path / "o"], capsys)
     assert rc == 2 and "config.json: invalid JSON" in one_error_line(err)

@@ -73,9 +73,39 @@ def _cmd_compress(a) -> int:
     print(f"compressed {r.src} -> {r.dst}: {len(r.compressed_modules)} of {t.tensors} tensors, "
           f"{r.shards} shard{'s' * (r.shards != 1)}, {r.seconds:.2f} s ({r.gb_per_s:.3f} GB/s)")
     print("\n".join(_summary_table(r.summary)))
-    if r.skipped_files:
-        print(f"not copied (weights in another format): {', '.join(r.skipped_files)}")
+    for line in compress_notes(r):
+        print(line)
     return EXIT_OK
+
+
+def _group(pairs) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item, why in pairs:
+        out.setdefault(why, []).append(item)
+    return out
+
+
+def _names(items: list[str], limit: int = 4) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def compress_notes(r) -> list[str]:
+    """What a compress report says beyond the table: weights kept BF16 (and why), Conv1D
+    weights stored transposed, files copied, and files left out (and why)."""
+    lines = []
+    for why, items in _group(r.kept_bf16).items():
+        lines.append(f"kept BF16 ({len(items)}): {why}: {_names(items)}")
+    if r.transposed:
+        lines.append(f"stored transposed ({len(r.transposed)} Conv1D weights, as [out, in]; decompress restores "
+                     f"them): {_names(r.transposed)}")
+    if r.side.copied:
+        lines.append(f"copied as is ({len(r.side.copied)} files): {_names(r.side.copied, 8)}")
+    for why, items in _group(r.side.duplicates).items():
+        lines.append(f"left out ({why}): {_names(items, 8)}")
+    if r.side.ignored:
+        lines.append(f"not model files, not copied: {_names(r.side.ignored)}")
+    return lines
 
 
 def _cmd_decompress(a) -> int:
@@ -102,7 +132,10 @@ def _cmd_verify(a) -> int:
     line = (f"OK {r.path}: {r.compressed} compressed tensors decoded with matching CRC-32, "
             f"{r.copied} copied tensors read, index and shards complete")
     if r.against is not None:
-        line += f"; all {r.compressed + r.copied} tensors bit-identical to {r.against}"
+        line += (f"; all {r.compressed + r.copied} tensors bit-identical to {r.against}, and its "
+                 f"{r.files_checked} other files byte-identical")
+        if r.duplicates:
+            line += f" ({len(r.duplicates)} copies of the main weights left out: {_names([d[0] for d in r.duplicates])})"
     print(f"{line} ({_fmt_bytes(r.bytes_checked)} in {r.seconds:.2f} s)")
     return EXIT_OK
 

@@ -74,8 +74,10 @@ def _bits_of(w: torch.Tensor) -> np.ndarray:
     return w.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | None = None) -> CompressedTensor:
-    """Compress a 2-D ``torch.bfloat16`` tensor into TCA-TBE v1 (lossless)."""
+def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | None = None,
+                    checksums: bool = False) -> CompressedTensor:
+    """Compress a 2-D ``torch.bfloat16`` tensor into TCA-TBE v1 (lossless); with
+    ``checksums``, also compute the tile checksums (``tile_crc``, as checkpoints store them)."""
     bits = _bits_of(w)
     if _backend(backend) == "reference":
         e = reference.encode(bits)
@@ -83,7 +85,7 @@ def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | No
     else:
         arrays = _C.encode(bits, threads or default_threads())
     bitmaps, base, offsets, sm, fb = arrays
-    return CompressedTensor(
+    ct = CompressedTensor(
         (int(bits.shape[0]), int(bits.shape[1])),
         torch.from_numpy(np.ascontiguousarray(bitmaps).view(np.int64)),
         torch.from_numpy(np.ascontiguousarray(base)),
@@ -91,6 +93,40 @@ def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | No
         torch.from_numpy(np.ascontiguousarray(sm)),
         torch.from_numpy(np.ascontiguousarray(fb).view(np.int16)),
     )
+    if checksums:
+        ct.tile_crc = tile_checksums(ct, backend=backend, threads=threads)
+    return ct
+
+
+def tile_checksums(ct: CompressedTensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:
+    """The tile checksums of ``ct``'s stored bytes (docs/FORMAT.md section 6) as int32 [Mt, Kt]
+    (uint32 bit patterns); ValueError when a segment lies outside its stream."""
+    ct = ct.to("cpu") if ct.device.type != "cpu" else ct
+    bitmaps = ct.bitmaps.contiguous().numpy().view(np.uint64)
+    base = ct.base.contiguous().numpy()
+    offsets = ct.offsets.contiguous().numpy()
+    sm = ct.sm.contiguous().numpy()
+    fb = ct.fb.contiguous().numpy().view(np.uint16)
+    if _backend(backend) == "reference":
+        m, k = ct.shape
+        crc = reference.tile_crc(reference.Encoded(m, k, bitmaps, base, offsets, sm, fb))
+    else:
+        crc = _C.tile_crc(bitmaps, base, offsets, sm, fb, threads or default_threads())
+    return torch.from_numpy(np.ascontiguousarray(crc).view(np.int32))
+
+
+def crc32_bytes(t: torch.Tensor | np.ndarray | bytes, *, threads: int | None = None) -> int:
+    """zlib CRC-32 of the bytes of a contiguous CPU tensor or buffer (native: on threads)."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        if t.numel() == 0:
+            return 0
+        t = t.view(torch.uint8).numpy()
+    if _C is None:
+        import zlib
+
+        return zlib.crc32(memoryview(t).cast("B") if not isinstance(t, bytes) else t)
+    return int(_C.crc32(t, threads or default_threads()))
 
 
 def decompress_tensor(ct: CompressedTensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:

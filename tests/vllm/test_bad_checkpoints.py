@@ -107,3 +107,41 @@ def test_corrupt_offsets(vllm_env, llama_dirs, tmp_path):
     _edit_tensors(d, smash)
     with pytest.raises(Exception, match=rf"corrupt checkpoint tensor {LAYER}\.weight: tile .* overruns"):
         _load(d)
+
+
+def _flip_sm_byte(t):
+    sm = t[f"{LAYER}.zs_sm"].clone()
+    sm[100] ^= 0x01  # one bit of one weight's mantissa: the format stays valid
+    t[f"{LAYER}.zs_sm"] = sm
+
+
+def test_flipped_byte_is_refused_by_the_tile_checksums(vllm_env, llama_dirs, tmp_path):
+    d = _copy(llama_dirs[1], tmp_path, "flipped")
+    _edit_tensors(d, _flip_sm_byte)
+    with pytest.raises(Exception, match=rf"checkpoint tensor {LAYER}\.zs_\* is damaged: tile \(0, 0\) does not "
+                                        r"match its checksum"):
+        _load(d)
+
+
+def test_verify_modes(vllm_env, llama_dirs, tmp_path, monkeypatch):
+    """ZIPSERV_VERIFY=none loads a damaged checkpoint; on one written without tile checksums
+    the default cannot see the damage, and ZIPSERV_VERIFY=full (decode + CRC-32) refuses it."""
+    d = _copy(llama_dirs[1], tmp_path, "old")
+
+    def age(t):
+        for k in [k for k in t if k.endswith(".zs_crc")]:
+            t.pop(k)
+        _flip_sm_byte(t)
+
+    _edit_tensors(d, age)
+    _load(d)  # no checksums to compare: loads (the summary line says the data was NOT checked)
+    monkeypatch.setenv("ZIPSERV_VERIFY", "full")
+    with pytest.raises(Exception, match=rf"checkpoint tensor {LAYER}\.zs_\* is damaged: the decoded matrix's CRC-32"):
+        _load(d)
+    d2 = _copy(llama_dirs[1], tmp_path, "damaged")
+    _edit_tensors(d2, _flip_sm_byte)
+    monkeypatch.setenv("ZIPSERV_VERIFY", "none")
+    _load(d2)
+    monkeypatch.setenv("ZIPSERV_VERIFY", "sometimes")
+    with pytest.raises(Exception, match=r"ZIPSERV_VERIFY is 'sometimes'; expected one of tiles, full, none"):
+        _load(d2)

@@ -61,7 +61,8 @@ def llama_fast_v1(vllm_env, llama_dirs, llama_runs):
 def llama_fast_corrupt(vllm_env, llama_dirs, llama_runs, tmp_path_factory):
     """Negative control: the pre-compressed checkpoint with ONE 64x64 tile altered
     (layer 0 o_proj, tile (0, 0): base_exp + 1, i.e. its in-window weights doubled;
-    the format stays valid, so it loads)."""
+    the format stays valid; loaded with ZIPSERV_VERIFY=none, since the tile
+    checksum refuses it otherwise: tests/vllm/test_bad_checkpoints.py)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -74,7 +75,13 @@ def llama_fast_corrupt(vllm_env, llama_dirs, llama_runs, tmp_path_factory):
     base[0, 0] += 1
     tensors[name] = base
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-    return _fast_run(d, llama_runs["base"])
+    import os
+
+    os.environ["ZIPSERV_VERIFY"] = "none"
+    try:
+        return _fast_run(d, llama_runs["base"])
+    finally:
+        os.environ.pop("ZIPSERV_VERIFY")
 
 
 def _same(a, b):

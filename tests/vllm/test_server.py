@@ -83,4 +83,4 @@ def test_server_answers_equal_bf16_server(servers):
     assert zs["streamed"] == base["streamed"]
     assert zs["chat"] == base["chat"]
     log = (logs / "zipserv.log").read_text()
-    assert "zipserv: 10 layers compressed (10 packed)" in log and "mode exact" in log
+    assert "zipserv: 10 layers compressed (10 packed at load)" in log and "mode exact" in log

@@ -47,7 +47,8 @@ def test_tp2_ranks_load_their_own_tiles(tp_runs):
     for mem in mems:
         assert mem["load_paths"] == {"tiles": 6, "re-encoded": 4}
         assert mem["layers_compressed"] == 10
-    assert "is not on 64-element tile boundaries; decoding, splitting with vLLM's loader and re-encoding" in log
+    # one summary line per rank counts them (the reason is a debug line: VLLM_LOGGING_LEVEL=DEBUG)
+    assert log.count("4 re-encoded at load, 6 loaded tile by tile") == 2
     # Each rank holds about half of the model in its arena.
     tp1_total = sum(m["compressed_bf16_bytes"] for m in mems)
     assert all(m["compressed_bf16_bytes"] < 0.6 * tp1_total for m in mems)

@@ -11,20 +11,21 @@ from __future__ import annotations
 import json
 import re
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import __version__
-from ..codec import compress_tensor, decompress_tensor
-from ..format import CompressedTensor, FormatError, high_counts, spec
-from .files import copy_side_files, resolve_source, staged_directory
-from .names import CONFIG_FILE, KINDS, QUANT_METHOD, SINGLE_FILE, compressible, layer_kind, module_name
+from ..codec import compress_tensor, crc32_bytes, decompress_tensor, default_threads
+from ..format import CompressedTensor, FormatError, high_counts, parse_meta, spec
+from .files import SideFiles, copy_side_files, plan_side_files, resolve_source, staged_directory
+from .names import (CONFIG_FILE, KINDS, QUANT_METHOD, SINGLE_FILE, compressible, layer_kind, module_name,
+                    plan_weight)
 from .reader import Checkpoint, CheckpointError, Entry
-from .writer import ShardWriter
+from .writer import ShardWriter, header_bound, planned_header
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 MODES = ("fast", "exact")
@@ -99,16 +100,24 @@ def _numel(shape) -> int:
     return n
 
 
-def crc32_of(t: torch.Tensor) -> int:
+def crc32_of(t: torch.Tensor, threads: int | None = None) -> int:
     """zlib CRC-32 of the row-major bytes of a tensor (the ``zs_meta`` CRC of a BF16 weight)."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy())) if flat.numel() else 0
+    return crc32_bytes(t, threads=threads)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_bits(a: torch.Tensor, b: torch.Tensor, threads: int | None = None) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0 included)."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    if a.numel() == 0:
+        return True
+    x = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    y = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    from ..codec import _C
+
+    if _C is not None:
+        return bool(_C.bytes_equal(x, y, threads or default_threads()))
+    return bool(np.array_equal(x, y))
 
 
 def _progress(total: int, desc: str, enabled: bool | None):
@@ -147,8 +156,9 @@ class CompressReport:
     seconds: float
     shards: int
     compressed_modules: list[str]
-    copied_files: list[str]
-    skipped_files: list[str]
+    side: SideFiles  # every other file: copied, or left out as a duplicate of the main weights
+    kept_bf16: list[tuple[str, str]] = field(default_factory=list)  # (weight, why) of 2-D BF16 weights left plain
+    transposed: list[str] = field(default_factory=list)  # Conv1D modules stored as [out, in]
 
     @property
     def gb_per_s(self) -> float:
@@ -165,9 +175,18 @@ def _check_source(ck: Checkpoint) -> None:
         if e.compressed:
             raise CheckpointError(f"{ck.path}: holds zipserv arrays ({e.prefix}.zs_*) but {CONFIG_FILE} does not "
                                   "declare quant_method 'zipserv'")
-        if compressible(e.name, e.shape) and e.dtype != "BF16":
+        if compressible(e.name, e.shape) and e.dtype != "BF16" and \
+                plan_weight(e.name, e.shape, ck.config).action != "plain":
             raise CheckpointError(f"{ck.path}: tensor {e.name} is {e.dtype}, not BF16: zipserv is lossless for "
                                   "bfloat16 weights only and will not convert it")
+
+
+def _header_names(ck: Checkpoint, e: Entry) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the tensors ``e`` can become in an output (for the header reservation)."""
+    if e.shape is not None and compressible(e.name, e.shape):
+        p = module_name(e.name)
+        return [(e.name, e.shape)] + [(f"{p}.{s}", (0, 0, 0, 0)) for s in spec.ALL_SUFFIXES]
+    return [(e.name, e.shape or (0,))]
 
 
 def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -176,10 +195,16 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
                         _on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> CompressReport:
     """Write a zipserv checkpoint of the BF16 checkpoint ``src`` (a directory or a Hub id) into ``dst``.
 
-    Every ``compressible`` weight becomes its six ``zs_*`` arrays (CRC-32 of the
-    original bytes in ``zs_meta``); everything else is copied unchanged. With
-    ``check`` each weight is decoded again and compared bit for bit before it
-    is written. ``_on_tensor`` is a test hook called with each source tensor.
+    Every weight vLLM runs through a layer zipserv serves (``names.plan_weight``)
+    becomes its ``zs_*`` arrays, with the CRC-32 of the original bytes in
+    ``zs_meta`` and the tile checksums in ``zs_crc``; a Conv1D weight is
+    compressed transposed (recorded in ``transposed_modules``); a weight whose
+    compressed form would not be smaller, and every other tensor, is copied
+    unchanged, and so is every other file of the source, except copies of the
+    main weights in other formats (``files.DUPLICATE_PATTERNS``, named in the
+    report). With ``check`` each weight is decoded again and compared bit for
+    bit before it is written. ``_on_tensor`` is a test hook called with each
+    source tensor.
     """
     if mode not in MODES:
         raise CheckpointError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -190,32 +215,56 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
     ck = Checkpoint.open(src_path)
     _check_source(ck)
     _check_destination(src_path, dst)
+    threads = threads or default_threads()
     total = sum(ck.entry_nbytes(e) for e in ck.entries)
     summary = SizeSummary()
     modules: list[str] = []
+    kept: list[tuple[str, str]] = []
+    transposed: list[str] = []
+    meta = _shard_metadata(ck)
+    # The header of a shard holds at most every tensor not yet written: reserve that much room.
+    bounds = [header_bound(_header_names(ck, e)) for e in ck.entries]
+    left = [sum(bounds)]
     start = time.perf_counter()
     with staged_directory(dst, overwrite) as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes, _shard_metadata(ck))
+        writer = ShardWriter(tmp, max_shard_bytes, meta, header_reserve=lambda: left[0] + header_bound([], meta))
         bar = _progress(total, "compress", progress)
         try:
-            for e, t in ck.iter_entries():
+            for i, (e, t) in enumerate(ck.iter_entries()):
                 if _on_tensor is not None:
                     _on_tensor(e.name, t)
                 nbytes = t.numel() * t.element_size()
-                if compressible(e.name, t):
-                    ct = compress_tensor(t, backend=backend, threads=threads)
-                    ct.crc32 = crc32_of(t)
-                    if check and not _same_bits(decompress_tensor(ct, backend=backend, threads=threads), t):
-                        raise RuntimeError(f"{e.name}: the codec did not round-trip this tensor bit for bit; "
-                                           "refusing to write a lossy checkpoint (this is a zipserv-vllm bug)")
+                plan = plan_weight(e.name, t.shape, ck.config) if compressible(e.name, t) else None
+                if plan is not None and plan.action == "plain":
+                    kept.append((e.name, plan.reason))
+                    plan = None
+                ct = None
+                if plan is not None:
+                    w = t.t().contiguous() if plan.action == "transpose" else t
+                    ct = compress_tensor(w, backend=backend, threads=threads, checksums=True)
+                    if ct.nbytes >= nbytes:
+                        kept.append((e.name, f"its compressed form would not be smaller "
+                                             f"({ct.bits_per_weight:.1f} bits per weight)"))
+                        ct = None
+                    else:
+                        ct.crc32 = crc32_of(w, threads)
+                        if check and not _same_bits(decompress_tensor(ct, backend=backend, threads=threads), w,
+                                                    threads):
+                            raise RuntimeError(f"{e.name}: the codec did not round-trip this tensor bit for bit; "
+                                               "refusing to write a lossy checkpoint (this is a zipserv-vllm bug)")
+                    del w
+                if ct is not None:
                     prefix = module_name(e.name)
                     writer.add({f"{prefix}.{s}": a for s, a in ct.arrays().items()})
                     summary.add(layer_kind(e.name), t.numel(), nbytes, ct.nbytes)
                     modules.append(prefix)
+                    if plan.action == "transpose":
+                        transposed.append(prefix)
                     del ct
                 else:
                     writer.add({e.name: t})
                     summary.add("uncompressed", t.numel(), nbytes, nbytes)
+                left[0] -= bounds[i]
                 del t
                 bar.update(nbytes)
             weight_map = writer.finish()
@@ -233,10 +282,13 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
             # vLLM reads quantization_config["producer"]["name"]: it must be a dict.
             "producer": {"name": "zipserv-vllm", "version": __version__},
         }
+        if transposed:
+            config["quantization_config"]["transposed_modules"] = transposed
         _write_config(tmp, config)
-        copied, skipped = copy_side_files(src_path, tmp, exclude=set(ck.shards))
+        side = plan_side_files(src_path, main=set(ck.main_files), skip={CONFIG_FILE})
+        copy_side_files(src_path, tmp, side)
     return CompressReport(src_path, dst, summary, time.perf_counter() - start, len(set(weight_map.values())),
-                          modules, copied, skipped)
+                          modules, side, kept, transposed)
 
 
 # --------------------------------------------------------------------------- decompress
@@ -255,33 +307,74 @@ def _open_compressed(path) -> Checkpoint:
     return ck
 
 
-def _decode_checked(e: Entry, ct: CompressedTensor, threads: int | None) -> torch.Tensor:
+def transposed_modules(ck: Checkpoint) -> set[str]:
+    """Modules stored transposed (Conv1D) in a compressed checkpoint (FORMAT.md section 7)."""
+    q = ck.quantization_config or {}
+    t = q.get("transposed_modules") or []
+    if not isinstance(t, list) or not all(isinstance(x, str) for x in t):
+        raise FormatError(f"{ck.path}: quantization_config.transposed_modules must be a list of module names")
+    return set(t)
+
+
+def _crc_problem(e: Entry, ct: CompressedTensor, w: torch.Tensor, threads: int | None) -> str | None:
+    """None when the decoded ``w`` matches the stored CRC-32; else what is wrong (the damaged tile, if known)."""
+    if ct.crc32 == spec.NO_CRC:
+        return None
+    got = crc32_of(w, threads)
+    if got == (ct.crc32 & 0xFFFFFFFF):
+        return None
+    where = ""
+    try:
+        ct.check_tiles(e.name)
+    except FormatError as exc:
+        where = f"; {str(exc).split(': ', 1)[1]}"
+    return f"CRC mismatch (stored {ct.crc32 & 0xFFFFFFFF:08x}, decoded {got:08x}){where}"
+
+
+def _decode_checked(e: Entry, ct: CompressedTensor, threads: int | None, transpose: bool = False) -> torch.Tensor:
+    """The original tensor of a compressed entry: decoded, CRC-checked, transposed back if it was."""
     w = decompress_tensor(ct, threads=threads)
-    if ct.crc32 != spec.NO_CRC and crc32_of(w) != (ct.crc32 & 0xFFFFFFFF):
-        raise CheckpointError(f"{e.name}: CRC mismatch (stored {ct.crc32 & 0xFFFFFFFF:08x}, decoded "
-                              f"{crc32_of(w):08x}): the compressed data is corrupt")
-    return w
+    problem = _crc_problem(e, ct, w, threads)
+    if problem:
+        raise CheckpointError(f"{e.name}: {problem}: the compressed data is corrupt")
+    return w.t().contiguous() if transpose else w
+
+
+def _output_tensor(ck: Checkpoint, e: Entry, flipped: set[str]) -> tuple[str, torch.dtype, list[int]]:
+    """(name, dtype, shape) of what decompress writes for ``e`` (reads only a zs_meta)."""
+    if not e.compressed:
+        from .writer import DTYPE_NAMES
+
+        return e.name, {v: k for k, v in DTYPE_NAMES.items()}[ck.dtypes[e.name]], list(e.shape)
+    _, _, m, k, _ = parse_meta(ck.read_tensor(f"{e.prefix}.zs_meta").tolist(), e.name)
+    return e.name, torch.bfloat16, [k, m] if e.prefix in flipped else [m, k]
 
 
 def decompress_checkpoint(src, dst, *, overwrite: bool = False, threads: int | None = None,
                           progress: bool | None = None) -> DecompressReport:
-    """Rebuild the plain BF16 checkpoint (same tensor names and shards, no quantization_config)."""
+    """Rebuild the plain BF16 checkpoint (same tensor names, orientations and shards, no
+    quantization_config; every other file copied)."""
     ck = _open_compressed(src)
     dst = Path(dst)
     _check_destination(ck.path, dst)
+    flipped = transposed_modules(ck)
     summary = SizeSummary()
     start = time.perf_counter()
     total = sum(ck.entry_nbytes(e) for e in ck.entries)
+    meta = _shard_metadata(ck)
+    reserve = [0]
     with staged_directory(dst, overwrite) as tmp:
-        writer = ShardWriter(tmp, None, _shard_metadata(ck))
+        writer = ShardWriter(tmp, None, meta, header_reserve=lambda: reserve[0])
         bar = _progress(total, "decompress", progress)
         names = []
         try:
             for shard in ck.shards:
-                for e in ck.shard_entries(shard):
+                entries = ck.shard_entries(shard)
+                reserve[0] = planned_header([_output_tensor(ck, e, flipped) for e in entries], meta)
+                for e in entries:
                     stored = ck.entry_nbytes(e)
                     if e.compressed:
-                        w = _decode_checked(e, ck.read_compressed(e.name), threads)
+                        w = _decode_checked(e, ck.read_compressed(e.name), threads, e.prefix in flipped)
                         summary.add(layer_kind(e.name), w.numel(), w.numel() * 2, stored)
                     else:
                         w = ck.read_tensor(e.name)
@@ -299,7 +392,8 @@ def decompress_checkpoint(src, dst, *, overwrite: bool = False, threads: int | N
             bar.close()
         config = {k: v for k, v in ck.config.items() if k != "quantization_config"}
         _write_config(tmp, config)
-        copy_side_files(ck.path, tmp, exclude=set(ck.shards))
+        copy_side_files(ck.path, tmp, plan_side_files(ck.path, main=set(ck.main_files), skip={CONFIG_FILE},
+                                                      duplicates=False))
     return DecompressReport(ck.path, dst, summary, time.perf_counter() - start, len(ck.shards))
 
 
@@ -313,24 +407,36 @@ class VerifyReport:
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    files_checked: int = 0  # other files of the source found byte-identical (with ``against``)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # source files left out, and why
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    import filecmp
+
+    return filecmp.cmp(a, b, shallow=False)
+
+
 def verify_checkpoint(path, against=None, *, threads: int | None = None,
                       progress: bool | None = None) -> VerifyReport:
-    """Decode every compressed tensor and check its CRC; with ``against``, compare every tensor bit for bit.
+    """Decode every compressed tensor and check its CRC; with ``against``, compare every tensor
+    bit for bit and check that every other file of the source is in the output, byte for byte
+    (or is a known copy of the main weights, which compress leaves out).
 
     Structural problems (unreadable shards, incomplete index, missing ``zs_*``
     arrays, unknown format version) raise; data mismatches are collected in
-    ``report.problems`` (each naming the tensor).
+    ``report.problems`` (each naming the tensor or file).
     """
     ck = _open_compressed(path)
     ref = Checkpoint.open(resolve_source(against)) if against is not None else None
     report = VerifyReport(ck.path, ref.path if ref else None)
+    threads = threads or default_threads()
     start = time.perf_counter()
+    flipped = transposed_modules(ck)
     declared = ck.config["quantization_config"].get("compressed_modules")
     found = [e.prefix for e in ck.entries if e.compressed]
     if isinstance(declared, list) and set(declared) != set(found):
@@ -348,23 +454,33 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
         for e in ck.entries:
             if e.name not in theirs:
                 report.problems.append(f"{e.name}: in {ck.path} but not in {ref.path}")
+        side = plan_side_files(ref.path, main=set(ref.main_files), skip={CONFIG_FILE})
+        report.duplicates = side.duplicates
+        for rel in side.copied:
+            out = ck.path / rel
+            if not out.is_file():
+                report.problems.append(f"{rel}: in {ref.path} but missing from {ck.path}")
+            elif not _same_file(ref.path / rel, out):
+                report.problems.append(f"{rel}: differs from {ref.path / rel}")
+            else:
+                report.files_checked += 1
     bar = _progress(sum(ck.entry_nbytes(e) for e in ck.entries), "verify", progress)
     try:
         for e, value in ck.iter_entries():
             if e.compressed:
                 w = decompress_tensor(value, threads=threads)
-                if value.crc32 == spec.NO_CRC:
-                    pass
-                elif crc32_of(w) != (value.crc32 & 0xFFFFFFFF):
-                    report.problems.append(f"{e.name}: CRC mismatch (stored {value.crc32 & 0xFFFFFFFF:08x}, "
-                                           f"decoded {crc32_of(w):08x})")
+                problem = _crc_problem(e, value, w, threads)
+                if problem:
+                    report.problems.append(f"{e.name}: {problem}")
+                if e.prefix in flipped:
+                    w = w.t()
                 report.compressed += 1
             else:
                 w = value
                 report.copied += 1
             if ref is not None and e.name in ref.tensors:
                 other = ref.read_tensor(e.name)
-                if not _same_bits(w, other):
+                if not _same_bits(w, other, threads):
                     detail = (f"{other.dtype} {list(other.shape)} there, {w.dtype} {list(w.shape)} here"
                               if (other.dtype, tuple(other.shape)) != (w.dtype, tuple(w.shape))
                               else "the bits differ")
@@ -401,6 +517,7 @@ def inspect_checkpoint(path) -> dict:
     """
     ck = Checkpoint.open(path)
     version = ck.check_format_version() if ck.compressed else None
+    flipped = transposed_modules(ck) if ck.compressed else set()
     summary = SizeSummary()
     rows = []
     for e, value in ck.iter_entries():
@@ -408,7 +525,10 @@ def inspect_checkpoint(path) -> dict:
         if e.compressed:
             m, k = value.shape
             kind = layer_kind(e.name)
-            row = {"name": e.name, "kind": kind, "compressed": True, "dtype": "BF16", "shape": [m, k],
+            flip = e.prefix in flipped
+            row = {"name": e.name, "kind": kind, "compressed": True, "dtype": "BF16",
+                   "shape": [k, m] if flip else [m, k], "transposed": flip,
+                   "tile_checksums": value.tile_crc is not None,
                    "bytes": stored, "original_bytes": m * k * 2, "ratio": round(m * k * 2 / stored, 4),
                    "bits_per_weight": round(8.0 * stored / (m * k), 4), "coverage": round(coverage(value), 6),
                    "tiles": value.grid[0] * value.grid[1], "crc32": None if value.crc32 == spec.NO_CRC
@@ -445,9 +565,11 @@ def iter_tensors(path, *, decode: bool = False):
     """(name, tensor) of a checkpoint, one at a time; compressed weights as CompressedTensor or, with
     ``decode``, as the rebuilt BF16 tensor (CRC-checked)."""
     ck = Checkpoint.open(path)
+    flipped = set()
     if ck.compressed:
         ck.check_format_version()
+        flipped = transposed_modules(ck)
     for e, value in ck.iter_entries():
         if e.compressed and decode:
-            value = _decode_checked(e, value, None)
+            value = _decode_checked(e, value, None, e.prefix in flipped)
         yield e.name, value

@@ -14,14 +14,16 @@ import shutil
 import tempfile
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .names import CONFIG_FILE, INDEX_FILE
 from .reader import CheckpointError
 
-# Weight files in other formats are never copied into an output (they would carry uncompressed weights).
-WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf",
-                        "*.onnx", "*.bin.index.json", "*.safetensors.index.json")
+# What a Hub download leaves out: copies of the main weights in other formats (safetensors
+# and PyTorch .bin are what the compressor reads; .bin only where no safetensors exist).
+HUB_IGNORE_PATTERNS = ("*.h5", "*.msgpack", "*.gguf", "*.onnx", "*.onnx_data", "*.ot", "*.ckpt*",
+                       "consolidated*", "original/consolidated*", "openvino/*")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+)?$")
 
 
@@ -40,8 +42,7 @@ def resolve_source(src) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(repo_id=text, ignore_patterns=[p for p in WEIGHT_FILE_PATTERNS
-                                                                  if p not in ("*.safetensors", "*.safetensors.index.json")])
+        local = snapshot_download(repo_id=text, ignore_patterns=list(HUB_IGNORE_PATTERNS))
     except Exception as exc:  # any hub/network failure becomes one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{src}: no such directory, and fetching it from the Hugging Face Hub failed "
@@ -87,35 +88,84 @@ def staged_directory(dst, overwrite: bool = False):
         raise
 
 
-def _is_weight_file(name: str) -> bool:
-    from fnmatch import fnmatch
+# Copies of the main weights in other formats or layouts: left out of an output (they would
+# carry every weight uncompressed), each named in the summary. Paths are relative to the
+# checkpoint; a pattern without "/" matches top-level files only.
+DUPLICATE_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("pytorch_model*.bin", "PyTorch copy of the main weights"),
+    ("pytorch_model.bin.index.json", "index of the PyTorch copy"),
+    ("tf_model*.h5", "TensorFlow copy of the main weights"),
+    ("tf_model.h5.index.json", "index of the TensorFlow copy"),
+    ("flax_model*.msgpack", "Flax copy of the main weights"),
+    ("flax_model.msgpack.index.json", "index of the Flax copy"),
+    ("model.ckpt*", "TensorFlow checkpoint of the main weights"),
+    ("rust_model.ot", "Rust (tch) copy of the main weights"),
+    ("*.gguf", "GGUF copy of the main weights"),
+    ("consolidated*.safetensors", "Mistral-format copy of the main weights"),
+    ("consolidated*.pth", "original-format copy of the main weights"),
+    ("original/consolidated*.pth", "original-format copy of the main weights"),
+    ("original/consolidated*.safetensors", "original-format copy of the main weights"),
+    ("onnx/*.onnx", "ONNX export of the main weights"),
+    ("onnx/*.onnx_data", "ONNX export of the main weights"),
+    ("onnx/*.onnx.data", "ONNX export of the main weights"),
+    ("openvino/*.bin", "OpenVINO export of the main weights"),
+    ("openvino/*.xml", "OpenVINO export of the main weights"),
+)
+# Not part of a model: version-control and download-cache folders.
+NOT_MODEL_DIRS = (".git", ".cache", ".huggingface", "__pycache__")
 
-    return any(fnmatch(name, p) for p in WEIGHT_FILE_PATTERNS)
+
+@dataclass
+class SideFiles:
+    """How every file of a source checkpoint (other than its main weights) reaches an output."""
+
+    copied: list[str] = field(default_factory=list)  # relative paths, copied byte for byte
+    empty_dirs: list[str] = field(default_factory=list)  # folders with nothing in them (e.g. 3_Normalize/)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (path, why) left out
+    ignored: list[str] = field(default_factory=list)  # folders that are not model files (.git, .cache)
 
 
-def copy_side_files(src: Path, dst: Path, exclude: set[str] = frozenset()) -> tuple[list[str], list[str]]:
-    """Copy everything but weights, config.json and the index from ``src`` to ``dst``.
+def _duplicate_reason(rel: str) -> str | None:
+    from fnmatch import fnmatchcase
 
-    Returns (copied, skipped) relative names. Hidden entries (``.cache``,
-    ``.git``...) and weight files of any format are skipped.
-    """
-    copied, skipped = [], []
-    for item in sorted(src.iterdir()):
-        name = item.name
-        if name in (CONFIG_FILE, INDEX_FILE) or name in exclude:
-            continue
-        if name.startswith("."):
-            continue
-        if item.is_dir():
-            def ignore(d, names, _root=item):
-                out = [n for n in names if n.startswith(".") or (_is_weight_file(n) and not Path(d, n).is_dir())]
-                skipped.extend(str(Path(d, n).relative_to(src)) for n in out if not n.startswith("."))
-                return out
-            shutil.copytree(item, dst / name, ignore=ignore)
-            copied.append(name + "/")
-        elif _is_weight_file(name):
-            skipped.append(name)
-        else:
-            shutil.copy2(item, dst / name)
-            copied.append(name)
-    return copied, skipped
+    for pattern, why in DUPLICATE_PATTERNS:
+        if ("/" in pattern) == ("/" in rel) and fnmatchcase(rel, pattern):
+            return why
+    return None
+
+
+def plan_side_files(src: Path, main: set[str], skip: set[str] = frozenset(),
+                    duplicates: bool = True) -> SideFiles:
+    """Classify every file under ``src``: ``main`` (the main weight files and their index,
+    which the caller rewrites) and ``skip`` (e.g. config.json) are not listed; known
+    copies of the main weights in other formats are ``duplicates`` (when
+    ``duplicates``); every other file, whatever it holds, is copied."""
+    out = SideFiles()
+    for root, dirs, files in os.walk(src):
+        rel_root = Path(root).relative_to(src)
+        for d in sorted(dirs):
+            if d in NOT_MODEL_DIRS:
+                out.ignored.append(str(rel_root / d) + "/")
+        dirs[:] = sorted(d for d in dirs if d not in NOT_MODEL_DIRS)
+        if rel_root != Path(".") and not dirs and not files:
+            out.empty_dirs.append(rel_root.as_posix())
+        for name in sorted(files):
+            rel = (rel_root / name).as_posix()
+            if rel in main or rel in skip:
+                continue
+            why = _duplicate_reason(rel) if duplicates else None
+            if why is not None:
+                out.duplicates.append((rel, why))
+            else:
+                out.copied.append(rel)
+    return out
+
+
+def copy_side_files(src: Path, dst: Path, plan: SideFiles) -> None:
+    """Copy ``plan.copied`` from ``src`` to ``dst`` (folders created, metadata kept)."""
+    for rel in plan.empty_dirs:
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+    for rel in plan.copied:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, target)

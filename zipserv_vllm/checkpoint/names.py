@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,12 +22,15 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 WEIGHT_SUFFIX = ".weight"
-SUFFIXES = spec.SUFFIXES  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb
+SUFFIXES = spec.SUFFIXES  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb (all required)
+ALL_SUFFIXES = spec.ALL_SUFFIXES  # plus the optional zs_crc
 
 # Never compressed: anything with "norm" in its name, and these dotted components (positional
-# embeddings and rotary tables are plain tensors or nn.Embedding in vLLM, not linear layers).
+# embeddings, token-type tables and rotary tables are plain tensors or nn.Embedding in vLLM,
+# not linear layers).
 _EXCLUDED = re.compile(
-    r"norm|(^|\.)(ln|ln_f|ln_\d+|wpe|position_embeddings|embed_positions|rotary_emb|rotary)(\.|$)"
+    r"norm|(^|\.)(ln|ln_f|ln_\d+|wpe|position_embeddings|position_embedding|embed_positions|token_type_embeddings"
+    r"|rotary_emb|rotary)(\.|$)"
 )
 
 # Layer kinds of the summary tables, in display order.
@@ -70,6 +74,109 @@ def compressible(name: str, tensor_or_shape: torch.Tensor | Sequence[int]) -> bo
     return not _EXCLUDED.search(name[: -len(WEIGHT_SUFFIX)].lower())
 
 
+# ----------------------------------------------------------------- per-architecture rules
+# 2-D BF16 weights that pass ``compressible`` but that vLLM does not run through a layer
+# that takes zipserv's quantization method: compressing them would make the checkpoint
+# unloadable (vLLM has no ``zs_*`` parameter to put them in), so they are stored as they are.
+# Storing a weight uncompressed is always safe: zipserv then keeps that layer BF16.
+_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+_ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|moe|feed_forward|mixer)\.(gate|router)\.weight$"
+                     r"|(^|\.)(shared_expert_gate|router)\.weight$")
+_TORCH_HEADS = re.compile(r"(^|\.)(score|classifier|pooler|text_projection|visual_projection|multi_modal_projector"
+                          r"|cls|qa_outputs)(\.|$)|(^|\.)head\.(dense|attention)\.|^(text_model\.)?head\.weight$")
+_TEXT_TOWER_EMBED = re.compile(r"(^|\.)token_embedding\.weight$")
+_ENCODER_EMBED = re.compile(r"(^|\.)(word_embeddings|tok_embeddings)\.weight$")
+# Encoder models whose vLLM implementation builds the input embedding without the quantization method.
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "modernbert", "nomic_bert", "new",
+                                 "gte", "electra", "ernie"})
+_SIGLIP_MLP = re.compile(r"(^|\.)mlp\.fc[12]\.weight$")
+# Models whose checkpoints store linear weights as Conv1D, [in, out]: vLLM transposes them
+# while loading; zipserv stores them compressed as [out, in] (docs/FORMAT.md section 7).
+CONV1D_WEIGHTS = {"gpt2": re.compile(r"(^|\.)(c_attn|c_proj|c_fc)\.weight$")}
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _model_types(config: dict | None) -> set[str]:
+    """``model_type`` of a config and of its nested configs (text_config, vision_config, ...)."""
+    out: set[str] = set()
+    stack = [config or {}]
+    while stack:
+        c = stack.pop()
+        if isinstance(c, dict):
+            if isinstance(c.get("model_type"), str):
+                out.add(c["model_type"])
+            stack.extend(v for v in c.values() if isinstance(v, dict))
+    return out
+
+
+def _has_experts(config: dict | None) -> bool:
+    stack = [config or {}]
+    while stack:
+        c = stack.pop()
+        if isinstance(c, dict):
+            if any(isinstance(c.get(k), int) and c[k] > 1 for k in MOE_KEYS):
+                return True
+            stack.extend(v for v in c.values() if isinstance(v, dict))
+    return False
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What the compressor does with one ``compressible`` weight."""
+
+    action: str  # "compress", "transpose" (a Conv1D weight, compressed as W.T) or "plain"
+    reason: str = ""  # why it stays plain
+
+
+_TABLE: dict | None = None
+
+
+def vllm_layer_table() -> dict:
+    """``vllm_layers.json``: per vLLM architecture, the layer attribute names its model code
+    builds without the quantization method (generated from vLLM's sources by
+    scripts/scan_vllm_layers.py; tests/test_vllm_layer_table.py keeps it current)."""
+    global _TABLE
+    if _TABLE is None:
+        import json
+        from pathlib import Path
+
+        _TABLE = json.loads((Path(__file__).with_name("vllm_layers.json")).read_text())
+    return _TABLE
+
+
+def plan_weight(name: str, shape: Sequence[int], config: dict | None = None) -> WeightPlan:
+    """How the ``compressible`` weight ``name`` of a model with ``config`` (its config.json)
+    is stored so that vLLM can load the result: first the architecture's entry in
+    :func:`vllm_layer_table`, then the name rules above (which also cover
+    architectures the table does not know)."""
+    types = _model_types(config)
+    archs = [a for a in (config or {}).get("architectures") or [] if isinstance(a, str)]
+    attr = module_name(name).rpartition(".")[2]
+    table = vllm_layer_table()["architectures"]
+    for arch in archs:
+        if attr in table.get(arch, {}).get("plain", ()):
+            return WeightPlan("plain", f"vLLM's {arch} builds its {attr} layers without the quantization method")
+    if _EXPERT.search(name):
+        return WeightPlan("plain", "a mixture-of-experts expert: vLLM runs experts in its fused MoE layer, "
+                                   "which zipserv does not compress yet")
+    if _ROUTER.search(name) and _has_experts(config):
+        return WeightPlan("plain", "a mixture-of-experts router: vLLM builds most routers without the "
+                                   "quantization method")
+    if _TORCH_HEADS.search(name):
+        return WeightPlan("plain", "a head or projection vLLM runs as a plain torch layer or in fp32")
+    if _TEXT_TOWER_EMBED.search(name) or (_ENCODER_EMBED.search(name) and types & ENCODER_MODEL_TYPES):
+        return WeightPlan("plain", "an encoder's input embedding, which vLLM builds without the quantization method")
+    if _SIGLIP_MLP.search(name) and any(t.startswith("siglip") for t in types) \
+            and any(int(d) % spec.TILE for d in _shape_of(shape)):
+        return WeightPlan("plain", "a SigLIP MLP whose sizes are not multiples of 64: vLLM builds it without "
+                                   "the quantization method")
+    for model_type, pattern in CONV1D_WEIGHTS.items():
+        if model_type in types and pattern.search(name):
+            return WeightPlan("transpose")
+    return WeightPlan("compress")
+
+
 def layer_kind(name: str) -> str:
     """Summary bucket of a compressed weight: "attn.q", "mlp.down", "embedding", ... or "linear.other"."""
     for kind, pattern in _KIND_PATTERNS:
@@ -86,7 +193,7 @@ def module_name(weight_name: str) -> str:
 def split_array_name(name: str) -> tuple[str, str] | None:
     """``P.zs_sm`` -> (``P``, ``zs_sm``); None for a tensor that is not a zipserv array."""
     prefix, _, suffix = name.rpartition(".")
-    if prefix and suffix in SUFFIXES:
+    if prefix and suffix in ALL_SUFFIXES:
         return prefix, suffix
     return None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..format import CompressedTensor, FormatError, spec
-from .names import CONFIG_FILE, INDEX_FILE, QUANT_METHOD, SINGLE_FILE, SUFFIXES, WEIGHT_SUFFIX, split_array_name
+from .names import CONFIG_FILE, INDEX_FILE, QUANT_METHOD, SINGLE_FILE, ALL_SUFFIXES, WEIGHT_SUFFIX, split_array_name
 
 _FORMAT_VERSIONS = spec.SUPPORTED_VERSIONS
 
@@ -44,13 +45,96 @@ class Entry:
         return self.name[: -len(WEIGHT_SUFFIX)] if self.compressed else self.name
 
 
+class _SafetensorsShard:
+    """One safetensors shard (safe_open: a lazy memory map)."""
+
+    def __init__(self, path: Path):
+        try:
+            self._f = safe_open(str(path), framework="pt")
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); truncated or corrupt?") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def metadata(self) -> dict | None:
+        return self._f.metadata()
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        sl = self._f.get_slice(name)
+        return sl.get_dtype(), tuple(sl.get_shape())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._f.get_tensor(name)
+
+
+class _BinShard:
+    """One PyTorch ``.bin`` shard, read with ``torch.load(weights_only=True)``: tensors
+    and plain containers only, never code (a file that needs code to unpickle is
+    refused). Zip-format files are memory-mapped, so nothing is read until used."""
+
+    def __init__(self, path: Path):
+        import pickle
+        import zipfile
+
+        kw = {"mmap": True} if zipfile.is_zipfile(path) else {}
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, **kw)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{path}: refused: loading it needs code to be unpickled, and zipserv only "
+                                  f"reads plain tensors (torch.load(weights_only=True): {first})") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        except Exception as exc:  # a truncated or corrupt zip / pickle
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}"
+                                  f"{': ' + text if text else ''}); truncated or corrupt?") from None
+        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            obj = obj["state_dict"]
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CheckpointError(f"{path}: not a state dict of tensors (found {type(obj).__name__})")
+        self._t: dict[str, torch.Tensor] = {str(k): v for k, v in obj.items()}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._t = {}
+        return False
+
+    def metadata(self) -> dict | None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self._t)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        from .writer import DTYPE_NAMES
+
+        t = self._t[name]
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"tensor {name}: dtype {t.dtype} cannot be stored in safetensors")
+        return DTYPE_NAMES[t.dtype], tuple(t.shape)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._t[name]
+
+
 def _open_shard(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); truncated or corrupt?") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return _BinShard(path) if path.suffix == ".bin" else _SafetensorsShard(path)
+
+
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 def _read_json(path: Path) -> dict:
@@ -86,7 +170,8 @@ class Checkpoint:
     """A checkpoint directory: its config, shards and the tensors they hold (read lazily)."""
 
     def __init__(self, path: Path, config: dict, shards: list[str], tensors: dict[str, str],
-                 dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], metadata: dict | None, indexed: bool):
+                 dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], metadata: dict | None, indexed: bool,
+                 index_file: str | None = None):
         self.path = path
         self.config = config
         self.shards = shards  # file names, in order
@@ -95,6 +180,7 @@ class Checkpoint:
         self.shapes = shapes
         self.metadata = metadata  # __metadata__ of the first shard
         self.indexed = indexed
+        self.index_file = index_file  # the index's file name (safetensors or .bin), None without one
         self.entries = self._group()
 
     # ---------------------------------------------------------------- opening
@@ -113,6 +199,9 @@ class Checkpoint:
         else:
             config = {}
         index_path = path / INDEX_FILE
+        if not index_path.exists() and not (path / SINGLE_FILE).is_file() and not any(path.glob("*.safetensors")):
+            if (path / BIN_INDEX_FILE).exists():  # a PyTorch .bin checkpoint, sharded
+                index_path = path / BIN_INDEX_FILE
         indexed = index_path.exists()
         if indexed:
             index = _read_json(index_path)
@@ -122,16 +211,19 @@ class Checkpoint:
             shards = list(dict.fromkeys(str(v) for v in wm.values()))
             missing = [s for s in shards if not (path / s).is_file()]
             if missing:
-                raise CheckpointError(f"{path}: shard {missing[0]} listed in {INDEX_FILE} does not exist"
+                raise CheckpointError(f"{path}: shard {missing[0]} listed in {index_path.name} does not exist"
                                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         elif (path / SINGLE_FILE).is_file():
             shards, wm = [SINGLE_FILE], None
         else:
             shards, wm = sorted(p.name for p in path.glob("*.safetensors") if p.is_file()), None
             if not shards:
+                shards = sorted(p.name for p in path.glob("pytorch_model*.bin") if p.is_file())
+            if not shards:
                 others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-                hint = f" (found {others[0]}: convert it to safetensors first)" if others else ""
-                raise CheckpointError(f"{path}: not a checkpoint: no *.safetensors files{hint}")
+                hint = (f" (found {others[0]}: zipserv reads safetensors and pytorch_model*.bin checkpoints)"
+                        if others else "")
+                raise CheckpointError(f"{path}: not a checkpoint: no *.safetensors or pytorch_model*.bin files{hint}")
         tensors: dict[str, str] = {}
         dtypes: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -145,15 +237,16 @@ class Checkpoint:
                         raise CheckpointError(f"{path}: tensor {key} is in both {tensors[key]} and {shard}")
                     if wm is not None and wm.get(key) != shard:
                         where = f"lists it in {wm[key]}" if key in wm else "does not list it"
-                        raise CheckpointError(f"{path / shard}: holds tensor {key} but {INDEX_FILE} {where}")
-                    sl = sf.get_slice(key)
-                    tensors[key], dtypes[key], shapes[key] = shard, sl.get_dtype(), tuple(sl.get_shape())
+                        raise CheckpointError(f"{path / shard}: holds tensor {key} but {index_path.name} {where}")
+                    tensors[key] = shard
+                    dtypes[key], shapes[key] = sf.info(key)
         if wm is not None:
             absent = [k for k in wm if k not in tensors]
             if absent:
-                raise CheckpointError(f"{path}: tensor {absent[0]} listed in {INDEX_FILE} is missing from "
+                raise CheckpointError(f"{path}: tensor {absent[0]} listed in {index_path.name} is missing from "
                                       f"{wm[absent[0]]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
-        return cls(path, config, shards, tensors, dtypes, shapes, metadata, indexed)
+        return cls(path, config, shards, tensors, dtypes, shapes, metadata, indexed,
+                   index_path.name if indexed else None)
 
     def _group(self) -> list[Entry]:
         groups: dict[str, dict[str, str]] = {}
@@ -211,14 +304,34 @@ class Checkpoint:
         raise KeyError(f"{self.path}: no tensor {name}")
 
     # ----------------------------------------------------------------- reading
+    def _shard(self, shard: str):
+        """An open shard. A .bin shard stays open (unpickled once) until another shard is asked for."""
+        if not shard.endswith(".bin"):
+            return _open_shard(self.path / shard)
+        cached = self.__dict__.get("_bin")
+        if cached is None or cached[0] != shard:
+            self.__dict__["_bin"] = None  # drop the previous shard's tensors first
+            self.__dict__["_bin"] = cached = (shard, _BinShard(self.path / shard))
+        return nullcontext(cached[1])
+
+    @property
+    def main_files(self) -> list[str]:
+        """The shards and their index (file names relative to the checkpoint)."""
+        return list(self.shards) + ([self.index_file] if self.index_file else [])
+
+    @property
+    def format(self) -> str:
+        """``safetensors`` or ``bin`` (PyTorch pickles, read with weights_only)."""
+        return "bin" if self.shards and self.shards[0].endswith(".bin") else "safetensors"
+
     def _arrays(self, sf, prefix: str) -> dict[str, torch.Tensor]:
-        return {s: sf.get_tensor(f"{prefix}.{s}") for s in SUFFIXES if f"{prefix}.{s}" in self.tensors}
+        return {s: sf.get_tensor(f"{prefix}.{s}") for s in ALL_SUFFIXES if f"{prefix}.{s}" in self.tensors}
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """One plain tensor as stored (a compressed weight's raw arrays are ``P.zs_*``)."""
         if name not in self.tensors:
             raise KeyError(f"{self.path}: no tensor {name}")
-        with _open_shard(self.path / self.tensors[name]) as sf:
+        with self._shard(self.tensors[name]) as sf:
             return sf.get_tensor(name)
 
     def read_compressed(self, name: str) -> CompressedTensor:
@@ -226,7 +339,7 @@ class Checkpoint:
         e = self.entry(name)
         if not e.compressed:
             raise KeyError(f"{self.path}: {e.name} is not compressed")
-        with _open_shard(self.path / e.shard) as sf:
+        with self._shard(e.shard) as sf:
             return CompressedTensor.from_arrays(self._arrays(sf, e.prefix), e.name)
 
     def iter_entries(self) -> Iterator[tuple[Entry, torch.Tensor | CompressedTensor]]:
@@ -237,10 +350,11 @@ class Checkpoint:
         """
         for shard in self.shards:
             for e in self.shard_entries(shard):
-                # A shard is re-opened for every tensor: safetensors maps the whole file, and
-                # pages touched through one long-lived mapping would stay resident (RSS grows to
-                # the shard size). The header parse this costs is negligible.
-                with _open_shard(self.path / shard) as sf:
+                # A safetensors shard is re-opened for every tensor: safetensors maps the whole
+                # file, and pages touched through one long-lived mapping would stay resident (RSS
+                # grows to the shard size). The header parse this costs is negligible. A .bin
+                # shard is unpickled once (``_shard``).
+                with self._shard(shard) as sf:
                     if e.compressed:
                         value = CompressedTensor.from_arrays(self._arrays(sf, e.prefix), e.name)
                     else:
@@ -260,7 +374,7 @@ class Checkpoint:
 
     def entry_nbytes(self, e: Entry) -> int:
         if e.compressed:
-            return sum(self.nbytes(f"{e.prefix}.{s}") for s in SUFFIXES if f"{e.prefix}.{s}" in self.tensors)
+            return sum(self.nbytes(f"{e.prefix}.{s}") for s in ALL_SUFFIXES if f"{e.prefix}.{s}" in self.tensors)
         return self.nbytes(e.name)
 
 

@@ -12,6 +12,7 @@ Arrays are the ones of FORMAT.md section 6, as NumPy arrays:
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -200,3 +201,22 @@ def decode(e: Encoded) -> np.ndarray:
                 int(e.offsets[tm, tk, 0]), int(e.offsets[tm, tk, 1]),
             )
     return out[: e.m, : e.k]
+
+
+def tile_crc(e: Encoded) -> np.ndarray:
+    """The tile checksums (FORMAT.md section 6, ``zs_crc``) as uint32 [Mt, Kt]: zlib CRC-32 of
+    each tile's bit-plane bytes, base byte, sign-mantissa segment and fallback segment."""
+    check_offsets(e)
+    h = tile_high_counts(e.bitmaps)
+    mt, kt = e.bitmaps.shape[:2]
+    out = np.empty((mt, kt), dtype=np.uint32)
+    sm, fb = np.ascontiguousarray(e.sm), np.ascontiguousarray(e.fb, dtype="<u2")
+    for tm in range(mt):
+        for tk in range(kt):
+            hp, fp = spec.sm_segment_len(int(h[tm, tk])), spec.fb_segment_len(int(h[tm, tk]))
+            o_sm, o_fb = int(e.offsets[tm, tk, 0]), int(e.offsets[tm, tk, 1])
+            crc = zlib.crc32(np.ascontiguousarray(e.bitmaps[tm, tk], dtype="<u8").tobytes())
+            crc = zlib.crc32(bytes([int(e.base[tm, tk])]), crc)
+            crc = zlib.crc32(sm[o_sm:o_sm + hp].tobytes(), crc)
+            out[tm, tk] = zlib.crc32(fb[o_fb:o_fb + fp].tobytes(), crc)
+    return out

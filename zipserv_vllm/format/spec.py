@@ -27,6 +27,11 @@ NO_CRC = -1
 
 # Names of the stored arrays of one compressed matrix, in spec order.
 SUFFIXES = ("zs_meta", "zs_bitmaps", "zs_base", "zs_offsets", "zs_sm", "zs_fb")
+# Optional arrays (section 6): the per-tile CRC-32 of the stored bytes.
+TILE_CRC = "zs_crc"
+OPTIONAL_SUFFIXES = (TILE_CRC,)
+ALL_SUFFIXES = SUFFIXES + OPTIONAL_SUFFIXES
+TILE_BITMAP_BYTES = PLANES * FRAGS_PER_TILE * 8  # 1536: the first bytes a tile checksum covers
 
 
 def frag_row0(f: int) -> int:
@@ -71,6 +76,7 @@ def constants() -> dict:
         "pad_sm": PAD_SM,
         "meta_len": META_LEN,
         "no_crc": NO_CRC,
+        "tile_bitmap_bytes": TILE_BITMAP_BYTES,
         "frag_row0": [frag_row0(f) for f in range(FRAGS_PER_TILE)],
         "frag_col0": [frag_col0(f) for f in range(FRAGS_PER_TILE)],
     }

@@ -105,7 +105,8 @@ class CompressedTensor(MatrixArrays):
     bitmaps: int64 [Mt, Kt, 3, 64] (uint64 bit patterns); base: uint8 [Mt, Kt];
     offsets: int64 [Mt, Kt, 2] = (sm byte start, fb element start) per tile;
     sm: uint8 [S]; fb: int16 [F] (BF16 bit patterns); crc32: zlib CRC-32 of the
-    original bytes, or -1 when not recorded.
+    original bytes, or -1 when not recorded; tile_crc: the optional int32 [Mt, Kt]
+    tile checksums (``zs_crc``, section 6), or None.
     """
 
     shape: tuple[int, int]
@@ -116,6 +117,7 @@ class CompressedTensor(MatrixArrays):
     fb: torch.Tensor
     crc32: int = field(default=spec.NO_CRC)
     version: int = field(default=spec.VERSION)
+    tile_crc: torch.Tensor | None = field(default=None)
 
     # ----------------------------------------------------------------- basics
     @property
@@ -128,7 +130,7 @@ class CompressedTensor(MatrixArrays):
             [spec.MAGIC, self.version, self.shape[0], self.shape[1], self.crc32],
             dtype=torch.int64,
         )
-        return {
+        out = {
             "zs_meta": meta,
             "zs_bitmaps": self.bitmaps,
             "zs_base": self.base,
@@ -136,6 +138,9 @@ class CompressedTensor(MatrixArrays):
             "zs_sm": self.sm,
             "zs_fb": self.fb,
         }
+        if self.tile_crc is not None:
+            out[spec.TILE_CRC] = self.tile_crc
+        return out
 
     def to(self, device) -> "CompressedTensor":
         """The same tensor on another device (arrays copied, shape kept)."""
@@ -143,6 +148,7 @@ class CompressedTensor(MatrixArrays):
             self.shape,
             self.bitmaps.to(device), self.base.to(device), self.offsets.to(device),
             self.sm.to(device), self.fb.to(device), self.crc32, self.version,
+            None if self.tile_crc is None else self.tile_crc.to(device),
         )
 
     def same_encoding(self, other: "CompressedTensor") -> bool:
@@ -159,7 +165,7 @@ class CompressedTensor(MatrixArrays):
     # ------------------------------------------------------------- validation
     @classmethod
     def from_arrays(cls, arrays: dict[str, torch.Tensor], name: str = "tensor") -> "CompressedTensor":
-        """Build from the six stored arrays, refusing anything malformed.
+        """Build from the six stored arrays (and ``zs_crc`` when present), refusing anything malformed.
 
         ``name`` is used in error messages (e.g. the checkpoint tensor name).
         """
@@ -171,7 +177,7 @@ class CompressedTensor(MatrixArrays):
             raise FormatError(f"{name}: zs_meta must be int64 [{spec.META_LEN}], got {meta.dtype} {tuple(meta.shape)}")
         magic, version, m, k, crc = parse_meta(meta.tolist(), name)
         ct = cls((m, k), arrays["zs_bitmaps"], arrays["zs_base"], arrays["zs_offsets"],
-                 arrays["zs_sm"], arrays["zs_fb"], crc, version)
+                 arrays["zs_sm"], arrays["zs_fb"], crc, version, arrays.get(spec.TILE_CRC))
         ct.validate(name)
         return ct
 
@@ -190,6 +196,9 @@ class CompressedTensor(MatrixArrays):
             if t.dtype != dtype or tuple(t.shape) != shp:
                 raise FormatError(f"{name}: {key} must be {dtype} {list(shp)} for shape {list(self.shape)}, "
                                   f"got {t.dtype} {list(t.shape)}")
+        if self.tile_crc is not None and (self.tile_crc.dtype != torch.int32 or tuple(self.tile_crc.shape) != (mt, kt)):
+            raise FormatError(f"{name}: {spec.TILE_CRC} must be {torch.int32} {[mt, kt]} for shape "
+                              f"{list(self.shape)}, got {self.tile_crc.dtype} {list(self.tile_crc.shape)}")
         for key, t, dtype in (("zs_sm", self.sm, torch.uint8), ("zs_fb", self.fb, torch.int16)):
             if t.dtype != dtype or t.dim() != 1:
                 raise FormatError(f"{name}: {key} must be 1-D {dtype}, got {t.dtype} {list(t.shape)}")
@@ -220,7 +229,8 @@ class CompressedTensor(MatrixArrays):
         new_off = np.stack([np.cumsum(sm_len.reshape(-1)) - sm_len.reshape(-1),
                             np.cumsum(fb_len.reshape(-1)) - fb_len.reshape(-1)], axis=-1)
         offsets = torch.from_numpy(new_off.reshape(off.shape)).to(self.offsets.device)
-        return CompressedTensor(shape, bitmaps, self.base[tm, tk].contiguous(), offsets, sm, fb)
+        crc = None if self.tile_crc is None else self.tile_crc[tm, tk].contiguous()
+        return CompressedTensor(shape, bitmaps, self.base[tm, tk].contiguous(), offsets, sm, fb, tile_crc=crc)
 
     def compact(self) -> "CompressedTensor":
         """The canonical layout of this tensor (segments in tile order, no gaps)."""
@@ -271,11 +281,33 @@ class CompressedTensor(MatrixArrays):
             p.offsets + torch.tensor([int(sm_base[i]), int(fb_base[i])], dtype=torch.int64, device=p.offsets.device)
             for i, p in enumerate(parts)
         ])
+        crcs = [p.tile_crc for p in parts]
         return CompressedTensor(
             (sum(p.shape[0] for p in parts), k),
             torch.cat([p.bitmaps for p in parts]), torch.cat([p.base for p in parts]), offsets,
             torch.cat([p.sm for p in parts]), torch.cat([p.fb for p in parts]),
+            tile_crc=None if any(c is None for c in crcs) else torch.cat(crcs),
         )
+
+    # --------------------------------------------------------------- checksums
+    def check_tiles(self, name: str = "tensor", threads: int | None = None) -> bool:
+        """Compare every tile's stored bytes with ``tile_crc``; FormatError naming the first
+        damaged tile. Returns False (checks nothing) when the tensor has no tile checksums."""
+        if self.tile_crc is None:
+            return False
+        from ..codec import tile_checksums
+
+        got = tile_checksums(self, threads=threads).cpu().numpy()
+        want = self.tile_crc.cpu().numpy()
+        bad = np.argwhere(got != want)
+        if bad.size:
+            tm, tk = (int(x) for x in bad[0])
+            exc = FormatError(f"{name}: tile ({tm}, {tk}) does not match its checksum (stored "
+                              f"{int(want[tm, tk]) & 0xFFFFFFFF:08x}, computed {int(got[tm, tk]) & 0xFFFFFFFF:08x}): "
+                              f"the compressed data is damaged" + (f" ({len(bad)} tiles in all)" if len(bad) > 1 else ""))
+            exc.tile = (tm, tk)
+            raise exc
+        return True
 
     def __repr__(self) -> str:
         return (f"CompressedTensor(shape={list(self.shape)}, nbytes={self.nbytes}, "

@@ -26,6 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 
 from ..format import spec
 from . import loading, methods
+from ..format.cpu_layout import PackedTensor
 from .arena import DEFAULT_PAGE_BYTES, PagedArena
 from .log import logger
 from .version import check_vllm_version
@@ -42,6 +43,21 @@ def resolve_mode(checkpoint_mode: str | None) -> str:
         source = "ZIPSERV_MODE" if env else "the checkpoint's quantization_config.mode"
         raise ValueError(f"zipserv: {source} is {mode!r}; expected one of {', '.join(MODES)}")
     return mode
+
+
+def resolve_verify(checkpoint_verify: str | None) -> str:
+    """How a pre-compressed checkpoint's data is checked at load: ``ZIPSERV_VERIFY`` if set,
+    else the checkpoint's ``"verify"``, else ``tiles`` (every tile a rank loads against its
+    checksum); ``full`` also decodes every matrix and compares its CRC-32; ``none`` skips both."""
+    env = os.environ.get("ZIPSERV_VERIFY")
+    v = (env or checkpoint_verify or loading.VERIFY_MODES[0]).strip().lower()
+    if v not in loading.VERIFY_MODES:
+        source = "ZIPSERV_VERIFY" if env else "the checkpoint's quantization_config.verify"
+        raise ValueError(f"zipserv: {source} is {v!r}; expected one of {', '.join(loading.VERIFY_MODES)}")
+    return v
+
+
+_PATH_WORDS = {"tiles": "loaded tile by tile", "packed": "packed at load", "re-encoded": "re-encoded at load"}
 
 
 def _page_bytes() -> int:
@@ -76,7 +92,7 @@ class ZipServConfig(QuantizationConfig):
     """Lossless TCA-TBE compressed BF16 weights (pre-compressed or packed at load)."""
 
     def __init__(self, precompressed: bool = False, mode: str | None = None, format_version: int = spec.VERSION,
-                 extra: dict[str, Any] | None = None):
+                 extra: dict[str, Any] | None = None, verify: str | None = None):
         super().__init__()
         check_vllm_version()
         if format_version not in spec.SUPPORTED_VERSIONS:
@@ -86,6 +102,7 @@ class ZipServConfig(QuantizationConfig):
         self.precompressed = precompressed
         self.checkpoint_mode = mode
         self.mode = resolve_mode(mode)
+        self.verify = resolve_verify(verify)
         self.format_version = format_version
         self.extra = dict(extra or {})
         self.page_bytes = _page_bytes()
@@ -93,6 +110,8 @@ class ZipServConfig(QuantizationConfig):
 
     def _init_runtime(self) -> None:
         self._states: list[loading.LayerState] = []
+        self._unmanaged: dict[str, int] = {}  # layer types vLLM asked about that zipserv leaves BF16
+        self._plain: dict[str, list[str]] = {}  # reason -> layers zipserv left to vLLM's own method
         self._arenas: dict[str, PagedArena] = {}
         self._executed = False
         self._finished = False
@@ -100,7 +119,7 @@ class ZipServConfig(QuantizationConfig):
     # vLLM pickles the config from the front-end to the workers: ship settings, not state.
     def __getstate__(self):
         d = dict(self.__dict__)
-        for k in ("_states", "_arenas", "_executed", "_finished"):
+        for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain"):
             d.pop(k, None)
         return d
 
@@ -139,9 +158,9 @@ class ZipServConfig(QuantizationConfig):
             version = int(version)
         except (TypeError, ValueError):
             raise ValueError(f"zipserv: quantization_config.format_version is {version!r}, not an integer") from None
-        known = {"quant_method", "format_version", "mode"}
+        known = {"quant_method", "format_version", "mode", "verify"}
         return cls(precompressed=True, mode=config.get("mode"), format_version=version,
-                   extra={k: v for k, v in config.items() if k not in known})
+                   extra={k: v for k, v in config.items() if k not in known}, verify=config.get("verify"))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         """Preflight a local pre-compressed checkpoint (headers only, front-end)."""
@@ -154,7 +173,7 @@ class ZipServConfig(QuantizationConfig):
         from .preflight import check_checkpoint
 
         counts = check_checkpoint(path)
-        logger.info("zipserv: checkpoint %s: %d compressed matrices in %d shard(s), mode %s",
+        logger.debug("zipserv: checkpoint %s: %d compressed matrices in %d shard(s), mode %s",
                     path, counts["compressed"], counts["shards"], self.mode)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
@@ -167,11 +186,14 @@ class ZipServConfig(QuantizationConfig):
             return cls(self)
         name = type(layer).__name__
         if "MoE" in name or "Experts" in name:
-            logger.warning_once("zipserv: %s layers are not compressed (only linear and embedding layers are); "
-                                "kept BF16", name)
+            self._unmanaged[name] = self._unmanaged.get(name, 0) + 1
         return None
 
     # ------------------------------------------------------- loading state
+    def note_plain(self, prefix: str, reason: str) -> None:
+        """A layer zipserv hands to vLLM's unquantized method (for the summary's reasons)."""
+        self._plain.setdefault(reason, []).append(prefix)
+
     def register_state(self, st: loading.LayerState) -> None:
         self._states.append(st)
 
@@ -186,7 +208,7 @@ class ZipServConfig(QuantizationConfig):
         if self._executed:
             return
         self._executed = True
-        loading.execute_precompressed([s for s in self._states if s.layer is not None], self.arena)
+        loading.execute_precompressed([s for s in self._states if s.layer is not None], self.arena, self.verify)
         self.finish_loading()
 
     def finish_loading(self) -> None:
@@ -219,8 +241,8 @@ class ZipServConfig(QuantizationConfig):
             if n:
                 self._arenas[key] = new
                 total += n
-                logger.info("zipserv: %d layers repacked into the CPU byte-split layout (fast mode; "
-                            "ZIPSERV_CPU_LAYOUT=v1 keeps TCA-TBE v1 in memory)", n)
+                logger.debug("zipserv: %d layers repacked into the CPU byte-split layout (fast mode; "
+                             "ZIPSERV_CPU_LAYOUT=v1 keeps TCA-TBE v1 in memory)", n)
         return total
 
     def memory_summary(self) -> dict[str, int]:
@@ -237,17 +259,45 @@ class ZipServConfig(QuantizationConfig):
         }
 
     def log_summary(self) -> None:
+        """One line of what zipserv did, and one with the reasons for layers kept BF16."""
         m = self.memory_summary()
-        if not m["layers_compressed"]:
-            return
-        ratio = m["compressed_bf16_bytes"] / max(1, m["arena_allocated_bytes"])
-        paths: dict[str, int] = {}
-        for s in self._states:
-            if s.path:
-                paths[s.path] = paths.get(s.path, 0) + 1
-        logger.info(
-            "zipserv: %d layers compressed (%s), %d kept BF16; arena %d page(s), %.2f MiB allocated "
-            "for %.2f MiB of BF16 weights (%.3fx, %.2f MiB saved), mode %s",
-            m["layers_compressed"], ", ".join(f"{v} {k}" for k, v in sorted(paths.items())), m["layers_bf16"],
-            m["arena_pages"], m["arena_allocated_bytes"] / 2**20, m["compressed_bf16_bytes"] / 2**20, ratio,
-            (m["compressed_bf16_bytes"] - m["arena_allocated_bytes"]) / 2**20, self.mode)
+        live = [s for s in self._states if s.layer is not None and s.tied_to is None]
+        if m["layers_compressed"]:
+            ratio = m["compressed_bf16_bytes"] / max(1, m["arena_allocated_bytes"])
+            paths: dict[str, int] = {}
+            for st in live:
+                if st.path and st.path != "bf16":
+                    paths[st.path] = paths.get(st.path, 0) + 1
+            how = ", ".join(f"{v} {_PATH_WORDS.get(k, k)}" for k, v in sorted(paths.items()))
+            logger.info(
+                "zipserv: %d layers compressed (%s), %d kept BF16; arena %d page(s), %.2f MiB allocated "
+                "for %.2f MiB of BF16 weights (%.3fx, %.2f MiB saved), mode %s%s",
+                m["layers_compressed"], how, m["layers_bf16"], m["arena_pages"], m["arena_allocated_bytes"] / 2**20,
+                m["compressed_bf16_bytes"] / 2**20, ratio,
+                (m["compressed_bf16_bytes"] - m["arena_allocated_bytes"]) / 2**20,
+                self.mode + (" (CPU byte-split layout)" if any(isinstance(p, PackedTensor) for st in live for p in st.parts)
+                             else ""), self._check_words(live))
+        reasons: dict[str, list[str]] = {}
+        for st in live:
+            if st.bf16:
+                reasons.setdefault(st.bf16_reason or "not compressible", []).append(st.prefix or "<layer>")
+        for why, names in self._plain.items():
+            reasons.setdefault(why, []).extend(names)
+        for name, n in self._unmanaged.items():
+            reasons.setdefault(f"{name}: zipserv does not compress mixture-of-experts experts yet", []).append(
+                f"{n} layer{'s' * (n != 1)}")
+        if reasons:
+            logger.info("zipserv: kept BF16: %s", "; ".join(
+                f"{why} ({', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''})"
+                for why, names in reasons.items()))
+
+    def _check_words(self, live) -> str:
+        if not self.precompressed:
+            return ""
+        checked = {st.checked for st in live if st.parts and st.path != "packed"}
+        if self.verify == "none":
+            return "; data not checked (ZIPSERV_VERIFY=none)"
+        if "no checksums" in checked:
+            return ("; NOT checked: this checkpoint has no tile checksums (written before zipserv-vllm 0.2); "
+                    "ZIPSERV_VERIFY=full decodes and checks every matrix")
+        return "; every matrix decoded and CRC-checked" if self.verify == "full" else "; every tile checked"

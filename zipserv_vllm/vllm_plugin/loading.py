@@ -41,7 +41,13 @@ from .log import logger
 from .tiles import TilePlan, compressed_from_table, store_compressed
 
 WEIGHT = "weight"
-SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb
+SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb: all required
+ALL_SUFFIXES = tuple(spec.ALL_SUFFIXES)  # plus zs_crc (tile checksums), optional
+VERIFY_MODES = ("tiles", "full", "none")  # ZIPSERV_VERIFY / quantization_config "verify"; the first is the default
+# The dtype of each checkpoint array: placeholders are created with it, so vLLM's loader
+# never warns about a dtype change (it would for every array of a uint8 placeholder).
+ARRAY_DTYPES = {"zs_meta": torch.int64, "zs_bitmaps": torch.int64, "zs_base": torch.uint8, "zs_offsets": torch.int64,
+                "zs_sm": torch.uint8, "zs_fb": torch.int16, "zs_crc": torch.int32, WEIGHT: torch.bfloat16}
 CPU_LAYOUTS = ("bytesplit", "v1")  # ZIPSERV_CPU_LAYOUT values; the first is the default
 
 
@@ -82,7 +88,9 @@ class LayerState:
     tables: list[PageTable] = field(default_factory=list)
     part_shapes: list[tuple[int, int]] = field(default_factory=list)
     arena: PagedArena | None = None
+    checked: str = ""               # how its data was checked at load: tiles / full / no checksums / ""
     bf16: bool = False              # kept uncompressed (reason logged)
+    bf16_reason: str = ""
     tied_to: "LayerState | None" = None
     done: bool = False
     path: str = ""                  # how it was loaded: tiles / re-encoded / packed / bf16
@@ -178,6 +186,26 @@ def _layer_split(layer, state: LayerState, shard_id) -> tuple[tuple[int, int] | 
             return full, None
         return full, (0, si.org_vocab_start_index, si.org_vocab_end_index - si.org_vocab_start_index)
     k_full = layer.input_size
+    if t is QKVParallelLinear and shard_id is None:  # stored fused, e.g. GPT-2's c_attn: q, k, v rows
+        q_full, q_local = layer.total_num_heads * layer.head_size, layer.num_heads * layer.head_size
+        k_sz, v_sz = layer.total_num_kv_heads * layer.head_size, layer.total_num_kv_heads * layer.v_head_size
+        full = (q_full + k_sz + v_sz, k_full)
+        if layer.tp_size == 1:
+            return full, None
+        kv_rank = layer.tp_rank // layer.num_kv_head_replicas
+        k_local, v_local = layer.num_kv_heads * layer.head_size, layer.num_kv_heads * layer.v_head_size
+        return full, [(0, layer.tp_rank * q_local, q_local), (0, q_full + kv_rank * k_local, k_local),
+                      (0, q_full + k_sz + kv_rank * v_local, v_local)]
+    if t is MergedColumnParallelLinear and shard_id is None:  # stored fused, e.g. Phi-3's gate_up_proj
+        full = (sum(layer.output_sizes), k_full)
+        if layer.tp_size == 1:
+            return full, None
+        out, start = [], 0
+        for size in layer.output_sizes:
+            local = size // layer.tp_size
+            out.append((0, start + layer.tp_rank * local, local))
+            start += size
+        return full, out
     if t is QKVParallelLinear:
         if shard_id not in ("q", "k", "v"):
             return None, None
@@ -202,7 +230,7 @@ def _layer_split(layer, state: LayerState, shard_id) -> tuple[tuple[int, int] | 
     if t is RowParallelLinear:
         local = layer.input_size_per_partition
         return (layer.output_size, k_full), (None if layer.tp_size == 1 else (1, layer.tp_rank * local, local))
-    if t is ReplicatedLinear:
+    if isinstance(layer, ReplicatedLinear):  # incl. subclasses such as MoE routers (GateLinear): never split
         return (layer.output_size, k_full), None
     return None, None
 
@@ -210,6 +238,8 @@ def _layer_split(layer, state: LayerState, shard_id) -> tuple[tuple[int, int] | 
 def _aligned(split, full) -> bool:
     if split is None:
         return True
+    if isinstance(split, list):
+        return all(_aligned(s, full) for s in split)
     dim, start, length = split
     return (length >= 1 and start % spec.TILE == 0
             and (length % spec.TILE == 0 or start + length == full[dim]))
@@ -266,10 +296,12 @@ def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> Comp
     if m < 1 or k < 1:
         raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: shape [{m}, {k}]")
     ct = CompressedTensor((m, k), arrays["zs_bitmaps"], arrays["zs_base"], arrays["zs_offsets"],
-                          arrays["zs_sm"], arrays["zs_fb"], crc, version)
+                          arrays["zs_sm"], arrays["zs_fb"], crc, version, arrays.get(spec.TILE_CRC))
     mt, kt = ct.grid
     expect = {"zs_bitmaps": (torch.int64, (mt, kt, spec.PLANES, spec.FRAGS_PER_TILE)),
               "zs_base": (torch.uint8, (mt, kt)), "zs_offsets": (torch.int64, (mt, kt, 2))}
+    if ct.tile_crc is not None:
+        expect[spec.TILE_CRC] = (torch.int32, (mt, kt))
     for suffix, (dtype, shape) in expect.items():
         t = arrays[suffix]
         if t.dtype != dtype or tuple(t.shape) != shape:
@@ -284,7 +316,34 @@ def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> Comp
     return ct
 
 
-def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, torch.Tensor]]) -> torch.Tensor:
+def _damaged(state: LayerState, shard, exc: Exception, name: str | None = None) -> ZipServLoadError:
+    name = name or _ckpt_name(state, shard, "zs_*")
+    return ZipServLoadError(
+        f"zipserv: checkpoint tensor {name} is damaged: {str(exc).split(': ', 1)[-1]}; "
+        "re-download or re-compress the checkpoint (`zipserv verify DIR` lists every damaged tensor)")
+
+
+def _check_full(state: LayerState, shard, ct: CompressedTensor, w: torch.Tensor | None = None) -> None:
+    """The ``full`` check: decode the whole matrix and compare its CRC-32 with ``zs_meta``'s."""
+    if w is None:
+        w = decompress_tensor(ct)
+    if ct.crc32 != spec.NO_CRC:
+        from ..codec import crc32_bytes
+
+        got = crc32_bytes(w)
+        if got != (ct.crc32 & 0xFFFFFFFF):
+            raise _damaged(state, shard, FormatError(f"x: the decoded matrix's CRC-32 is {got:08x}, "
+                                                     f"zs_meta says {ct.crc32 & 0xFFFFFFFF:08x}"))
+    state.checked = "full"
+
+
+def _note_unchecked(state: LayerState, ct: CompressedTensor, verify: str) -> None:
+    if verify == "tiles" and ct.tile_crc is None and state.checked != "full":
+        state.checked = "no checksums"
+
+
+def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, torch.Tensor]],
+                          verify: str = "tiles") -> torch.Tensor:
     """Decode every shard and let vLLM's own loader place and narrow it."""
     w = torch.nn.Parameter(torch.empty(state.rows, state.cols, dtype=torch.bfloat16, device=state.device),
                            requires_grad=False)
@@ -298,7 +357,16 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
                 ct.validate(_ckpt_name(state, shard, "weight"))
             except FormatError as exc:
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor: {exc}") from None
+            if verify != "none":
+                try:
+                    if ct.check_tiles(_ckpt_name(state, shard, "weight")) and state.checked != "full":
+                        state.checked = "tiles"
+                except FormatError as exc:
+                    raise _damaged(state, shard, exc) from None
+                _note_unchecked(state, ct, verify)
             full = decompress_tensor(ct)
+            if verify == "full":
+                _check_full(state, shard, ct, full)
         if shard is None:
             state.orig_loader(w, full)
         else:
@@ -306,8 +374,8 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
     return w.data
 
 
-def plan_layer(state: LayerState) -> TilePlan | list[TilePlan] | torch.Tensor | None:
-    """Decide how one recorded layer is loaded.
+def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[TilePlan] | torch.Tensor | None:
+    """Decide how one recorded layer is loaded (``verify``: one of VERIFY_MODES).
 
     Returns a list of tile plans (rows stacked), or a BF16 tensor when the layer
     stays uncompressed, and sets ``state.path``.
@@ -317,7 +385,7 @@ def plan_layer(state: LayerState) -> TilePlan | list[TilePlan] | torch.Tensor | 
     if all(WEIGHT in a for a in shards.values()):
         w = _generic_local_weight(state, layer, shards)
         state.path = "bf16"
-        logger.info("zipserv: %s is stored uncompressed in the checkpoint; kept BF16", state.prefix)
+        state.bf16_reason = "stored uncompressed in the checkpoint"
         return w
     cts: dict[Any, CompressedTensor] = {}
     plans: list[TilePlan] = []
@@ -337,12 +405,20 @@ def plan_layer(state: LayerState) -> TilePlan | list[TilePlan] | torch.Tensor | 
                 f"but layer {state.prefix} expects {list(full)}")
         if not _aligned(split, full):
             fast = False
+            where = "; ".join(f"dim {d}, start {a}, length {n}" for d, a, n in (split if isinstance(split, list)
+                                                                                  else [split]))
             reason = (f"rank {layer.tp_rank}'s split of {_ckpt_name(state, shard, 'weight')} "
-                      f"(dim {split[0]}, start {split[1]}, length {split[2]}) is not on {spec.TILE}-element tile boundaries")
+                      f"({where}) is not on {spec.TILE}-element tile boundaries")
             continue
+        if verify == "full":
+            _check_full(state, shard, ct)
+        elif verify == "tiles":
+            _note_unchecked(state, ct, verify)
         if fast:
             try:
-                plans.append(TilePlan.select(ct, *split) if split else TilePlan.select(ct))
+                label = _ckpt_name(state, shard, "zs_*")
+                for sp in (split if isinstance(split, list) else [split]):
+                    plans.append(TilePlan.select(ct, *sp, label=label) if sp else TilePlan.select(ct, label=label))
             except FormatError as exc:
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'weight')}: {exc}") from None
     if fast:
@@ -358,20 +434,23 @@ def plan_layer(state: LayerState) -> TilePlan | list[TilePlan] | torch.Tensor | 
                                    f"{[list(p.shape) for p in plans]}, the layer holds [{state.rows}, {state.cols}]")
         state.path = "tiles"
         return plans
-    logger.info("zipserv: %s: %s; decoding, splitting with vLLM's loader and re-encoding this layer",
+    logger.debug("zipserv: %s: %s; decoding, splitting with vLLM's loader and re-encoding this layer",
                 state.prefix, reason or "part of the layer is stored uncompressed")
-    w = _generic_local_weight(state, layer, shards)
+    w = _generic_local_weight(state, layer, shards, "none" if verify == "none" else
+                              ("tiles" if verify == "tiles" else "full"))
     state.path = "re-encoded"
     return [TilePlan.select(compress_tensor(w))]
 
 
-def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.device], PagedArena]) -> None:
-    """Plan every recorded layer, then allocate exact arena pages and copy the ranges."""
+def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.device], PagedArena],
+                          verify: str = "tiles") -> None:
+    """Plan every recorded layer, then allocate exact arena pages and copy the ranges; with
+    ``verify`` "tiles" (or "full") every tile a rank loads is checked against its checksum."""
     planned: list[tuple[LayerState, list[TilePlan]]] = []
     for st in states:
         if st.done or st.tied_to is not None:
             continue
-        result = plan_layer(st)
+        result = plan_layer(st, verify)
         if isinstance(result, torch.Tensor):
             finish_bf16(st, result)
             continue
@@ -385,7 +464,13 @@ def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.devi
         arena.commit()
     for st, plans in planned:
         for p, table in zip(plans, st.tables):
-            p.copy_into(st.arena, table)
+            try:
+                if p.copy_into(st.arena, table, check=None if verify == "none" else st.prefix) \
+                        and st.checked != "full":
+                    st.checked = "tiles"
+            except FormatError as exc:
+                tile = getattr(exc, "tile", None)
+                raise _damaged(st, None, exc, p.source_of(tile[0]) if tile else None) from None
         st.bind()
         for part in st.parts:
             try:
@@ -401,6 +486,7 @@ def finish_bf16(state: LayerState, w: torch.Tensor) -> None:
     layer = state.layer
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     state.bf16 = True
+    state.bf16_reason = state.bf16_reason or "stored uncompressed in the checkpoint"
     state.records.clear()
     state.done = True
 
@@ -408,14 +494,19 @@ def finish_bf16(state: LayerState, w: torch.Tensor) -> None:
 def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bool = False) -> None:
     """Compress the rank's BF16 weight ``w`` into ``arena`` (pack at load); with
     ``packed``, into the CPU byte-split layout instead of v1."""
+    bf16_bytes = w.numel() * w.element_size()
     if packed:
         from .. import cpu_kernels
 
         pt = cpu_kernels.pack(w.detach().to("cpu"))
+        if pt.nbytes >= bf16_bytes:
+            raise ValueError(f"its compressed form would not be smaller ({pt.bits_per_weight:.1f} bits per weight)")
         state.tables = [arena.store(pt.arrays())]
         state.part_shapes = [tuple(pt.shape)]
     else:
         ct = compress_tensor(w.detach().to("cpu"))
+        if ct.nbytes >= bf16_bytes:
+            raise ValueError(f"its compressed form would not be smaller ({ct.bits_per_weight:.1f} bits per weight)")
         if ct.device != arena.device:
             ct = ct.to(arena.device)
         state.tables = [store_compressed(arena, ct)]

@@ -134,9 +134,8 @@ class _ZipServMethodBase:
     def _create_precompressed(self, layer, rows, cols, extra) -> None:
         orig = extra.pop("weight_loader", None)
         st = self._new_state(layer, rows, cols, self._expected_shards(layer), orig)
-        for name in (*loading.SUFFIXES, loading.WEIGHT):
-            dtype = torch.bfloat16 if name == loading.WEIGHT else torch.uint8
-            p = Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        for name in (*loading.ALL_SUFFIXES, loading.WEIGHT):
+            p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
             layer.register_parameter(name, p)
             set_weight_attrs(p, {"weight_loader": loading.recorder(st, name)})
         st.device = layer.weight.device
@@ -172,8 +171,7 @@ class _ZipServMethodBase:
             loading.pack_layer(st, w.data, self.config.arena(w.device),
                                packed=loading.uses_packed(w.device, self.config.mode))
         except (TypeError, ValueError) as exc:
-            logger.info("zipserv: %s cannot be compressed (%s); kept BF16", st.prefix, exc)
-            st.bf16, st.done, st.path = True, True, "bf16"
+            st.bf16, st.done, st.path, st.bf16_reason = True, True, "bf16", str(exc)
             self._bf16_process(layer)
             return
         layer.weight = Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
@@ -197,8 +195,7 @@ class ZipServLinearMethod(_ZipServMethodBase, LinearMethodBase):
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         if params_dtype != torch.bfloat16:
             # Not a BF16 weight: compressing would not be lossless. vLLM's own path runs it.
-            logger.info("zipserv: %s has dtype %s, not bfloat16; kept uncompressed",
-                        getattr(layer, "prefix", "?"), params_dtype)
+            self.config.note_plain(getattr(layer, "prefix", "?"), f"dtype {params_dtype}, not bfloat16")
             self._unq = UnquantizedLinearMethod()
             layer.__dict__[_STATE] = None
             self._unq.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
@@ -252,8 +249,8 @@ class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
                        output_size, params_dtype, **extra_weight_attrs):
         rows, cols = sum(output_partition_sizes), input_size_per_partition
         if params_dtype != torch.bfloat16:
-            logger.info("zipserv: %s has dtype %s, not bfloat16; kept uncompressed",
-                        getattr(layer, "prefix", "?") or type(layer).__name__, params_dtype)
+            self.config.note_plain(getattr(layer, "prefix", "?") or type(layer).__name__,
+                                   f"dtype {params_dtype}, not bfloat16")
             layer.__dict__[_STATE] = None
             self._unq.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
                                      output_size, params_dtype, **extra_weight_attrs)
@@ -303,7 +300,7 @@ class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
         st.expected_shards = []
         # Replace the head's own placeholders: nothing is loaded into a tied head.
         for name in list(layer._parameters):
-            if name == "weight" or name in loading.SUFFIXES:
+            if name == "weight" or name in loading.ALL_SUFFIXES:
                 delattr(layer, name)
         p = Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         layer.register_parameter("weight", p)

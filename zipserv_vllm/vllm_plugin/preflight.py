@@ -27,8 +27,9 @@ import numpy as np
 
 from ..format import FormatError, parse_meta, spec
 
-_DTYPES = {"zs_meta": "I64", "zs_bitmaps": "I64", "zs_base": "U8", "zs_offsets": "I64", "zs_sm": "U8", "zs_fb": "I16"}
-_RANKS = {"zs_meta": 1, "zs_bitmaps": 4, "zs_base": 2, "zs_offsets": 3, "zs_sm": 1, "zs_fb": 1}
+_DTYPES = {"zs_meta": "I64", "zs_bitmaps": "I64", "zs_base": "U8", "zs_offsets": "I64", "zs_sm": "U8", "zs_fb": "I16",
+           "zs_crc": "I32"}
+_RANKS = {"zs_meta": 1, "zs_bitmaps": 4, "zs_base": 2, "zs_offsets": 3, "zs_sm": 1, "zs_fb": 1, "zs_crc": 2}
 
 
 class CheckpointError(ValueError):
@@ -83,7 +84,7 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
             if suffix.startswith("zs_"):
                 if suffix not in _DTYPES:
                     raise CheckpointError(f"zipserv: unexpected tensor {name} in {path.name} "
-                                          f"(known compressed suffixes: {', '.join(spec.SUFFIXES)})")
+                                          f"(known compressed suffixes: {', '.join(spec.ALL_SUFFIXES)})")
                 if info["dtype"] != _DTYPES[suffix] or len(info["shape"]) != _RANKS[suffix]:
                     raise CheckpointError(
                         f"zipserv: corrupt checkpoint tensor {name}: dtype {info['dtype']} rank {len(info['shape'])}, "

@@ -65,6 +65,17 @@ class TilePlan:
     grid: tuple[int, int]
     pieces: dict[str, list[tuple[torch.Tensor, int, int]]] = field(default_factory=dict)
     offsets: torch.Tensor | None = None
+    tile_crc: torch.Tensor | None = None  # the local tiles' checksums (zs_crc), when the source has them
+    # (first local tile row, source name) of each stacked part, to name a damaged tile's source
+    labels: list[tuple[int, str]] = field(default_factory=list)
+
+    def source_of(self, tile_row: int) -> str:
+        """The source name of the part holding local tile row ``tile_row``."""
+        name = ""
+        for first, label in self.labels:
+            if first <= tile_row:
+                name = label
+        return name
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -80,7 +91,7 @@ class TilePlan:
     # ---------------------------------------------------------------- build
     @classmethod
     def select(cls, ct: CompressedTensor, dim: int | None = None, start: int = 0,
-               length: int | None = None) -> "TilePlan":
+               length: int | None = None, label: str = "") -> "TilePlan":
         """The rows (``dim=0``) or columns (``dim=1``) ``[start, start + length)``
         of ``ct``, tile-aligned as in ``CompressedTensor.narrow``; ``dim=None``
         takes the whole matrix."""
@@ -128,6 +139,9 @@ class TilePlan:
         sm_flat, fb_flat = sm_len.reshape(-1), fb_len.reshape(-1)
         new_off = np.stack([np.cumsum(sm_flat) - sm_flat, np.cumsum(fb_flat) - fb_flat], axis=-1)
         plan.offsets = torch.from_numpy(np.ascontiguousarray(new_off.reshape(*sm_len.shape, 2)))
+        if ct.tile_crc is not None:
+            plan.tile_crc = ct.tile_crc[tm, tk].contiguous().cpu()
+        plan.labels = [(0, label)]
         return plan
 
     @staticmethod
@@ -144,13 +158,17 @@ class TilePlan:
         out = TilePlan((sum(p.shape[0] for p in plans), k), (sum(p.grid[0] for p in plans), plans[0].grid[1]))
         for name in ("bitmaps", "base", "sm", "fb"):
             out.pieces[name] = [piece for p in plans for piece in p.pieces[name]]
-        offs, sm_base, fb_base = [], 0, 0
+        offs, sm_base, fb_base, row = [], 0, 0, 0
         for p in plans:
+            out.labels += [(first + row, label) for first, label in p.labels]
+            row += p.grid[0]
             offs.append(p.offsets + torch.tensor([sm_base, fb_base], dtype=torch.int64))
             sizes = p.sizes
             sm_base += sizes["sm"]
             fb_base += sizes["fb"] // 2
         out.offsets = torch.cat(offs)
+        if all(p.tile_crc is not None for p in plans):
+            out.tile_crc = torch.cat([p.tile_crc for p in plans])
         return out
 
     # -------------------------------------------------------------- execute
@@ -164,8 +182,23 @@ class TilePlan:
 
         return PageTable({name: Entry(arena.reserve(sizes[name]), _DTYPES[name], shapes[name]) for name in ARRAYS})
 
-    def copy_into(self, arena: PagedArena, table: PageTable) -> None:
-        """Copy every byte range into the reserved (committed) slots of ``table``."""
+    def copy_into(self, arena: PagedArena, table: PageTable, check: str | None = None) -> bool:
+        """Copy every byte range into the reserved (committed) slots of ``table``.
+
+        With ``check`` (a name for messages) and tile checksums, the local tiles are
+        compared with them (FormatError naming the first damaged one); on a CPU arena
+        in place, otherwise on the host before the copy to the device. Returns whether
+        the tiles were checked."""
+        on_host = arena.device.type == "cpu"
+        checked = False
+        if not on_host and check and self.tile_crc is not None:
+            host = self.host_arrays()
+            CompressedTensor(self.shape, host["bitmaps"], host["base"], host["offsets"], host["sm"], host["fb"],
+                             tile_crc=self.tile_crc).check_tiles(check)
+            checked = True
+            for name in ARRAYS:
+                arena.raw(table.entries[name].slot).copy_(_flat_bytes(host[name]))
+            return checked
         for name in ARRAYS:
             dst = arena.raw(table.entries[name].slot)
             if name == "offsets":
@@ -175,6 +208,28 @@ class TilePlan:
             for src, a, b in self.pieces[name]:
                 dst[pos : pos + b - a].copy_(src[a:b])
                 pos += b - a
+        if check and self.tile_crc is not None:
+            ct = compressed_from_table(arena, table, self.shape)
+            ct.tile_crc = self.tile_crc
+            ct.check_tiles(check)
+            checked = True
+        return checked
+
+    def host_arrays(self) -> dict[str, torch.Tensor]:
+        """The local arrays assembled on the host (canonical layout, typed views)."""
+        out = {}
+        mt, kt = self.grid
+        shapes = {"bitmaps": (mt, kt, spec.PLANES, spec.FRAGS_PER_TILE), "base": (mt, kt)}
+        for name in ("bitmaps", "base", "sm", "fb"):
+            buf = torch.empty(sum(b - a for _, a, b in self.pieces[name]), dtype=torch.uint8)
+            pos = 0
+            for src, a, b in self.pieces[name]:
+                buf[pos : pos + b - a].copy_(src[a:b])
+                pos += b - a
+            t = buf.view(_DTYPES[name])
+            out[name] = t.view(shapes[name]) if name in shapes else t
+        out["offsets"] = self.offsets
+        return out
 
 
 def compressed_from_table(arena: PagedArena, table: PageTable, shape: tuple[int, int]) -> CompressedTensor:

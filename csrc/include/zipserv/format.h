@@ -36,7 +36,8 @@ constexpr int kMetaLen = 5;              // zs_meta: magic, version, M, K, crc32
 constexpr int64_t kNoCrc = -1;
 
 static_assert(kFragsPerTile == 64, "a tile holds 64 FragTiles");
-static_assert(kPlanes * kFragsPerTile * 8 == 1536, "3 bits per weight");
+constexpr int kTileBitmapBytes = kPlanes * kFragsPerTile * 8;  // first bytes of a tile checksum (zs_crc)
+static_assert(kTileBitmapBytes == 1536, "3 bits per weight");
 
 // FT index f inside a tile -> (row, col) of its top-left element in the tile.
 ZS_HD int frag_row0(int f) { return (f / 16) * 16 + (f % 2) * 8; }

@@ -1,0 +1,98 @@
+"""Checkpoint layouts users bring, served by a real vLLM engine: identical to BF16 in exact mode.
+
+* GPT-2 (Conv1D weights stored [in, out], fused c_attn, tied head) and
+  GPT2ForSequenceClassification (the second Conv1D model vLLM runs; ``score``
+  stays BF16), pre-compressed and packed at load;
+* a sentence-transformers BERT (``1_Pooling``, ``2_Dense``, ``3_Normalize``) in
+  the pooling runner: embeddings of the Dense projection's width, identical;
+* mixtures of experts (Qwen3-MoE, Mixtral): attention and embeddings compressed,
+  experts and routers BF16 (the summary says so), outputs identical;
+* a sharded PyTorch ``.bin`` checkpoint: packed at load, and compressed to safetensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zs_e2e import ENGINE_KW, PROMPTS, _release, run_engine
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.zoo import build_zoo_model
+
+    root = tmp_path_factory.mktemp("zoo_e2e")
+    out = {}
+    for kind in ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral", "llama-bin"):
+        src = build_zoo_model(root / kind, kind)
+        out[kind] = (src, compress_checkpoint(src, root / f"{kind}-zs", progress=False).dst)
+    return out
+
+
+def _same(a, b):
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]  # bit-identical logits
+    assert a["text"] == b["text"]
+
+
+def _pooled(model, task: str, **kw):
+    """``LLM(model, runner="pooling")``: embeddings (task "embed") or class probabilities ("classify")."""
+    from vllm import LLM
+
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+
+    llm = LLM(model=str(model), runner="pooling", **{**ENGINE_KW, **kw})
+    try:
+        outs = llm.embed(PROMPTS, use_tqdm=False) if task == "embed" else llm.classify(PROMPTS, use_tqdm=False)
+        vecs = [list(o.outputs.embedding if task == "embed" else o.outputs.probs) for o in outs]
+        return {"vectors": vecs, "memory": llm.apply_model(weight_memory)[0]}
+    finally:
+        _release(llm)
+
+
+def test_gpt2_conv1d(vllm_env, zoo):
+    bf16, zs = zoo["gpt2"]
+    base = run_engine(bf16, chat=False)
+    pre, pack = run_engine(zs, chat=False), run_engine(bf16, chat=False, quantization="zipserv")
+    for run in (pre, pack):
+        _same(base, run)
+    # 2 x (c_attn, attn.c_proj, c_fc, mlp.c_proj) + wte (the tied lm_head shares it)
+    assert pre["memory"]["layers_compressed"] == 9 and pre["memory"]["load_paths"] == {"tiles": 9}
+    assert pack["memory"]["layers_compressed"] == 9
+
+
+def test_gpt2_sequence_classification(vllm_env, zoo):
+    bf16, zs = zoo["gpt2-seqcls"]
+    base, pre = _pooled(bf16, "classify"), _pooled(zs, "classify")
+    pack = _pooled(bf16, "classify", quantization="zipserv")
+    assert len(base["vectors"][0]) == 3
+    assert pre["vectors"] == base["vectors"] and pack["vectors"] == base["vectors"]
+    assert pre["memory"]["layers_compressed"] == 9
+
+
+def test_sentence_transformers_embeddings(vllm_env, zoo):
+    bf16, zs = zoo["bert-st"]
+    base, pre = _pooled(bf16, "embed"), _pooled(zs, "embed")
+    pack = _pooled(bf16, "embed", quantization="zipserv")
+    assert len(base["vectors"][0]) == 32  # the 2_Dense projection ran (BERT's hidden size is 64)
+    assert pre["vectors"] == base["vectors"] and pack["vectors"] == base["vectors"]
+    # 2 layers x (qkv, attention.output.dense, intermediate.dense, output.dense); embeddings stay BF16
+    assert pre["memory"]["layers_compressed"] == 8
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral"])
+def test_mixture_of_experts_loads_and_matches(vllm_env, zoo, kind, caplog):
+    bf16, zs = zoo[kind]
+    base = run_engine(bf16, chat=False)
+    pre, pack = run_engine(zs, chat=False), run_engine(bf16, chat=False, quantization="zipserv")
+    for run in (pre, pack):
+        _same(base, run)
+        assert run["memory"]["layers_compressed"] >= 4  # q/o projections of both layers, embedding, lm_head
+
+
+def test_bin_checkpoint(vllm_env, zoo):
+    bf16, zs = zoo["llama-bin"]
+    base = run_engine(bf16, chat=False)
+    _same(base, run_engine(bf16, chat=False, quantization="zipserv"))
+    _same(base, run_engine(zs, chat=False))
