@@ -37,7 +37,7 @@ from zipserv_vllm.testing.zoo import build_zoo_model  # noqa: E402
 def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
     return {k: build_zoo_model(root / k, k) for k in ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral",
-                                                        "llama-bin")}
+                                                        "llama-bin", "clip", "paligemma")}
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -198,3 +198,29 @@ def test_writer_moves_data_once_when_the_header_outgrows_its_reservation(tmp_pat
         assert sorted(f.keys()) == sorted(ts)
         for n, t in ts.items():
             assert torch.equal(f.get_tensor(n), t)
+
+
+@pytest.mark.parametrize("kind", ["clip", "paligemma"])
+def test_multimodal_towers(zoo, kind, tmp_path):
+    """The language model and the vision tower's linear layers are compressed; embeddings,
+    positional tables, projections and the patch embedding (a convolution) are copied."""
+    src, dst = zoo[kind], tmp_path / kind
+    rep = compress_checkpoint(src, dst, progress=False)
+    got = tensors(dst)
+    vision = "vision_model" if kind == "clip" else "vision_tower"
+    for layer in range(2):
+        for m in ("self_attn.q_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            assert f"{vision}.encoder.layers.{layer}.{m}.zs_sm" in got, (kind, m)
+    plain = {"clip": ["text_model.embeddings.token_embedding.weight", "text_projection.weight",
+                      "visual_projection.weight", "vision_model.embeddings.position_embedding.weight",
+                      "vision_model.embeddings.patch_embedding.weight"],
+             "paligemma": ["multi_modal_projector.linear.weight", "vision_tower.embeddings.position_embedding.weight",
+                           "vision_tower.embeddings.patch_embedding.weight"]}[kind]
+    for n in plain:
+        assert n in got, n
+    if kind == "paligemma":
+        for m in ("model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            assert f"language_model.{m}.zs_sm" in got, m
+    assert (dst / "processor_config.json").read_bytes() == (src / "processor_config.json").read_bytes()
+    assert verify_checkpoint(dst, src, progress=False).ok
+    assert len(rep.compressed_modules) >= 16

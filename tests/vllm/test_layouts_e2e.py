@@ -7,7 +7,11 @@
   the pooling runner: embeddings of the Dense projection's width, identical;
 * mixtures of experts (Qwen3-MoE, Mixtral): attention and embeddings compressed,
   experts and routers BF16 (the summary says so), outputs identical;
-* a sharded PyTorch ``.bin`` checkpoint: packed at load, and compressed to safetensors.
+* a sharded PyTorch ``.bin`` checkpoint: packed at load, and compressed to safetensors;
+* a vision-language model: CLIP in the pooling runner, text and image requests
+  (the vision tower's linear layers compressed). A generative VLM (PaliGemma,
+  LLaVA, Qwen2-VL) cannot run on this vLLM CPU build without torchvision, which
+  PyPI only has for CUDA torch; tests/test_layouts.py checks PaliGemma's layout.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def zoo(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("zoo_e2e")
     out = {}
-    for kind in ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral", "llama-bin"):
+    for kind in ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral", "llama-bin", "clip"):
         src = build_zoo_model(root / kind, kind)
         out[kind] = (src, compress_checkpoint(src, root / f"{kind}-zs", progress=False).dst)
     return out
@@ -96,3 +100,28 @@ def test_bin_checkpoint(vllm_env, zoo):
     base = run_engine(bf16, chat=False)
     _same(base, run_engine(bf16, chat=False, quantization="zipserv"))
     _same(base, run_engine(zs, chat=False))
+
+
+def test_clip_text_and_image_embeddings(vllm_env, zoo):
+    import numpy as np
+    from PIL import Image
+    from vllm import LLM
+
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+
+    img = Image.fromarray((np.arange(32 * 32 * 3).reshape(32, 32, 3) % 251).astype(np.uint8))
+
+    def run(model, **kw):
+        llm = LLM(model=str(model), runner="pooling", **{**ENGINE_KW, "max_model_len": 64, **kw})
+        try:
+            text = llm.embed(["a photo of a tile", "hello world"], use_tqdm=False)
+            image = llm.embed([{"prompt": "", "multi_modal_data": {"image": img}}], use_tqdm=False)
+            return ([list(o.outputs.embedding) for o in text + image], llm.apply_model(weight_memory)[0])
+        finally:
+            _release(llm)
+
+    bf16, zs = zoo["clip"]
+    (base, _), (pre, mem), (pack, _) = run(bf16), run(zs), run(bf16, quantization="zipserv")
+    assert len(base) == 3 and len(base[2]) == 64
+    assert pre == base and pack == base
+    assert mem["layers_compressed"] == 16  # 2 towers x 2 layers x (qkv, out_proj, fc1, fc2)

@@ -84,3 +84,34 @@ def test_server_answers_equal_bf16_server(servers):
     assert zs["chat"] == base["chat"]
     log = (logs / "zipserv.log").read_text()
     assert "zipserv: 10 layers compressed (10 packed at load)" in log and "mode exact" in log
+
+
+def test_embeddings_endpoint_equals_bf16(vllm_env, tmp_path):
+    """/v1/embeddings of a sentence-transformers model (2_Dense projection): the pre-compressed
+    checkpoint's server gives the BF16 server's vectors."""
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.zoo import build_zoo_model
+
+    bf16 = build_zoo_model(tmp_path / "bert", "bert-st")
+    zs = compress_checkpoint(bf16, tmp_path / "bert-zs", progress=False).dst
+    args = ("--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128", "--runner", "pooling",
+            "--kv-cache-memory-bytes", str(32 << 20))
+    procs, ports, files = {}, {}, []
+    try:
+        for name, model in (("base", bf16), ("zipserv", zs)):
+            ports[name] = serve.free_port()
+            files.append(open(tmp_path / f"{name}.log", "w"))
+            procs[name] = serve.start_server(model, ports[name], args, log=files[-1])
+        for name in procs:
+            _wait_ready(procs[name], ports[name], tmp_path / f"{name}.log")
+        out = {}
+        for name, port in ports.items():
+            r = _client(f"http://127.0.0.1:{port}/v1").embeddings.create(
+                model="tiny", input=["hello world", "a lossless format"])
+            out[name] = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
+    finally:
+        for p in procs.values():
+            serve.stop_server(p)
+        for f in files:
+            f.close()
+    assert len(out["base"][0]) == 32 and out["zipserv"] == out["base"]

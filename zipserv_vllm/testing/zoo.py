@@ -11,7 +11,15 @@ the byte-level tokenizer of :mod:`.tiny_model`:
   ``1_Pooling/``, ``2_Dense/model.safetensors``, ``3_Normalize/``);
 * ``qwen3-moe`` / ``mixtral``: mixtures of experts (per-expert tensors, a router);
 * ``llama-bin``: a tiny Llama saved as sharded ``pytorch_model-*.bin`` + index
-  (``torch.save`` of the state dict, as older Hub checkpoints are).
+  (``torch.save`` of the state dict, as older Hub checkpoints are);
+* ``clip``: a ``CLIPModel`` (text and vision towers) with its processor, for
+  vLLM's pooling runner (text or image embeddings; the Pillow image
+  processor, no torchvision);
+* ``paligemma``: a ``PaliGemmaForConditionalGeneration`` (SigLIP tower, Gemma
+  language model) with its processor. vLLM 0.32's CPU build cannot run it here:
+  its vision-encoder lookup imports Pixtral's image processor, which needs
+  torchvision, and PyPI's torchvision needs CUDA torch. Its layout is checked
+  at compress time only.
 
 Weights are N(0, std) from a seeded generator (norms and layer-norm weights 1,
 their biases 0), cast to BF16. Head dimensions are 32 (vLLM's CPU attention
@@ -28,7 +36,7 @@ import torch
 
 from .tiny_model import BOS, EOS, PAD, _save_tokenizer, _train_tokenizer
 
-KINDS = ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral", "llama-bin")
+KINDS = ("gpt2", "gpt2-seqcls", "bert-st", "qwen3-moe", "mixtral", "llama-bin", "clip", "paligemma")
 VOCAB = 512
 
 
@@ -142,6 +150,66 @@ def _llama_bin(path: Path, seed: int, std: float) -> None:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
+def _clip(path: Path, seed: int, std: float) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor, PreTrainedTokenizerFast
+
+    from .tiny_model import _training_text
+
+    # vLLM's CLIP uses token id 0 as its image placeholder: no special token may have it.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_training_text(), trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB - 12, special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2, show_progress=False))
+    sot, eot = "<|startoftext|>", "<|endoftext|>"
+    tok.add_special_tokens([sot, eot])
+    bos, eos = tok.token_to_id(sot), tok.token_to_id(eot)
+    tok.post_processor = processors.TemplateProcessing(single=f"{sot} $A {eot}", special_tokens=[(sot, bos), (eot, eos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=sot, eos_token=eot, pad_token=eot,
+                                   model_max_length=64)
+    ip = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=ip, tokenizer=fast).save_pretrained(str(path))
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=64, projection_dim=64, bos_token_id=bos,
+                         eos_token_id=eos, pad_token_id=eos),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8, projection_dim=64),
+        projection_dim=64)
+    model = CLIPModel(cfg)
+    _init(model, seed, std)
+    model.to(torch.bfloat16).save_pretrained(str(path))
+
+
+def _paligemma(path: Path, seed: int, std: float) -> None:
+    from transformers import (PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
+                              PreTrainedTokenizerFast, SiglipImageProcessorPil)
+
+    from .tiny_model import UNK
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(VOCAB), bos_token=BOS, eos_token=EOS,
+                                   unk_token=UNK, pad_token=PAD, model_max_length=1 << 20)
+    fast.add_tokens(["\n"])
+    ip = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    ip.image_seq_length = 16
+    proc = PaliGemmaProcessor(image_processor=ip, tokenizer=fast)  # adds <image>, <loc....>, <seg...>
+    proc.save_pretrained(str(path))
+    cfg = PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=2048, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=256),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,
+                           projection_dim=64),
+        image_token_index=proc.image_token_id, projection_dim=64, vocab_size=2048)
+    model = PaliGemmaForConditionalGeneration(cfg)
+    _init(model, seed, std)
+    ids = {BOS: fast.bos_token_id, EOS: fast.eos_token_id, PAD: fast.pad_token_id}
+    _save(model, path, ids)
+
+
 def build_zoo_model(path, kind: str, *, seed: int = 0, std: float = 0.08) -> Path:
     """Write the tiny ``kind`` checkpoint (one of :data:`KINDS`) into ``path`` and return it."""
     if kind not in KINDS:
@@ -154,6 +222,10 @@ def build_zoo_model(path, kind: str, *, seed: int = 0, std: float = 0.08) -> Pat
         _bert_st(path, seed, std)
     elif kind in ("qwen3-moe", "mixtral"):
         _moe(path, seed, std, kind)
+    elif kind == "clip":
+        _clip(path, seed, std)
+    elif kind == "paligemma":
+        _paligemma(path, seed, std)
     else:
         _llama_bin(path, seed, std)
     return path
