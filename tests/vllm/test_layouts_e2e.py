@@ -125,3 +125,26 @@ def test_clip_text_and_image_embeddings(vllm_env, zoo):
     assert len(base) == 3 and len(base[2]) == 64
     assert pre == base and pack == base
     assert mem["layers_compressed"] == 16  # 2 towers x 2 layers x (qkv, out_proj, fc1, fc2)
+
+
+def test_compressed_experts_are_refused_with_one_line(vllm_env, zoo, tmp_path):
+    """A checkpoint whose MoE experts were compressed (as zipserv-vllm 0.1 wrote them) cannot be
+    served: the preflight says so, naming the tensor, before vLLM fails inside its MoE loader."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    from zipserv_vllm import compress_tensor
+
+    d = tmp_path / "old"
+    shutil.copytree(zoo["qwen3-moe"][1], d)
+    f = d / "model.safetensors"
+    t = load_file(str(f))
+    name = "model.layers.0.mlp.experts.1.up_proj"
+    ct = compress_tensor(t.pop(name + ".weight"), checksums=True)
+    t.update({f"{name}.{s}": a for s, a in ct.arrays().items()})
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=rf"zipserv: {name}\.weight is stored compressed, but it is a "
+                                        r"mixture-of-experts expert"):
+        LLM(model=str(d), **ENGINE_KW)

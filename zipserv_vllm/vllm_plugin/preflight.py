@@ -63,6 +63,24 @@ def shard_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
+def _unservable(model_dir: Path):
+    """prefix -> why vLLM cannot load it compressed ("" when it can), from the compressor's rules."""
+    from ..checkpoint.names import plan_weight
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+
+    def why(prefix: str) -> str:
+        plan = plan_weight(prefix + ".weight", (0, 0), config)
+        if plan.action == "plain" and "smaller" not in plan.reason:
+            return f"it is {plan.reason}" if plan.reason.startswith("a") else plan.reason
+        return ""
+
+    return why
+
+
 def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
     """Raise :class:`CheckpointError` on the first problem; return counts when sound."""
     model_dir = Path(model_dir)
@@ -92,7 +110,13 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
                 groups.setdefault(prefix, {})[suffix] = (path, info, data_start)
             elif suffix == "weight":
                 weights.add(prefix)
+    unservable = _unservable(model_dir)
     for prefix, arrays in groups.items():
+        why = unservable(prefix)
+        if why:
+            raise CheckpointError(f"zipserv: {prefix}.weight is stored compressed, but {why}, so vLLM cannot load "
+                                  "it; compress the BF16 checkpoint again with this zipserv-vllm (it keeps such "
+                                  "weights BF16)")
         missing = [s for s in spec.SUFFIXES if s not in arrays]
         if missing:
             raise CheckpointError(f"zipserv: checkpoint tensor {prefix}.{missing[0]} is missing "
