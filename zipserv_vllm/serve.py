@@ -13,6 +13,9 @@ A leading positional MODEL becomes ``--model MODEL``. On a CPU box, where
 vLLM refuses to start without an explicit KV-cache size (pitfall 3), it sets
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless that or ``--kv-cache-memory-bytes``
 is given. The zipserv plugin is loaded by vLLM itself through its entry point.
+When the plugin refuses a checkpoint, the server exits with status 1 and its
+last line is ``zipserv: error: ...`` naming the tensor (vLLM's own logs of the
+failure come before it, without the launcher's traceback).
 """
 
 from __future__ import annotations
@@ -31,10 +34,22 @@ def main(argv: list[str] | None = None) -> None:
     args = _argv(list(sys.argv[1:] if argv is None else argv))
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not any(a.startswith("--kv-cache-memory-bytes") for a in args):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # read by vLLM's CPU platform only
+    from .vllm_plugin import errors
+
+    errors.install()  # before vLLM starts its processes: they report into this process's file
     from vllm.entrypoints.launchers.api_server.entry import main as serve_main
 
     sys.argv = [sys.argv[0] if sys.argv else "zipserv-serve", *args]
-    serve_main()
+    try:
+        serve_main()
+    except Exception:
+        first = errors.first_error()
+        if first is None:
+            raise
+        # vLLM's processes have logged the details above; the cause, as the last line:
+        text = first.split("zipserv: ", 1)[1] if first.startswith("zipserv: ") else first
+        print(f"zipserv: error: {text}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Modules:
   * :mod:`.loading`  - per-layer state, tensor-parallel tile selection, completeness checks.
   * :mod:`.gemm`     - the exact-mode GEMM: the same kernel vLLM's unquantized path runs.
   * :mod:`.arena`, :mod:`.tiles` - the paged arena and byte-range plans (no vLLM).
+  * :mod:`.errors`  - every load failure as one readable line, whatever vLLM wraps around it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from . import version
+    from . import errors, version
+
+    errors.install()
 
     version.warn_if_unsupported()
     from . import config  # noqa: F401  (runs @register_quantization_config)

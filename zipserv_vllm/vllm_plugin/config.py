@@ -25,7 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from ..format import spec
-from . import loading, methods
+from . import errors, loading, methods
 from ..format.cpu_layout import PackedTensor
 from .arena import DEFAULT_PAGE_BYTES, PagedArena
 from .log import logger
@@ -94,15 +94,18 @@ class ZipServConfig(QuantizationConfig):
     def __init__(self, precompressed: bool = False, mode: str | None = None, format_version: int = spec.VERSION,
                  extra: dict[str, Any] | None = None, verify: str | None = None):
         super().__init__()
-        check_vllm_version()
-        if format_version not in spec.SUPPORTED_VERSIONS:
-            raise ValueError(
-                f"zipserv: checkpoint format_version {format_version} is not supported by this zipserv-vllm "
-                f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
+        try:
+            check_vllm_version()
+            if format_version not in spec.SUPPORTED_VERSIONS:
+                raise ValueError(
+                    f"zipserv: checkpoint format_version {format_version} is not supported by this zipserv-vllm "
+                    f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
+            self.mode = resolve_mode(mode)
+            self.verify = resolve_verify(verify)
+        except Exception as exc:
+            raise errors.report(exc)
         self.precompressed = precompressed
         self.checkpoint_mode = mode
-        self.mode = resolve_mode(mode)
-        self.verify = resolve_verify(verify)
         self.format_version = format_version
         self.extra = dict(extra or {})
         self.page_bytes = _page_bytes()
@@ -150,14 +153,15 @@ class ZipServConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "ZipServConfig":
         method = str(config.get("quant_method", NAME)).lower()
         if method != NAME:
-            raise ValueError(f"zipserv: quantization_config.quant_method is {method!r}, expected {NAME!r}")
+            raise errors.report(ValueError(f"zipserv: quantization_config.quant_method is {method!r}, expected {NAME!r}"))
         version = config.get("format_version")
         if version is None:
-            raise ValueError("zipserv: quantization_config has no format_version (a zipserv checkpoint writes 1)")
+            raise errors.report(ValueError("zipserv: quantization_config has no format_version (a zipserv checkpoint writes 1)"))
         try:
             version = int(version)
         except (TypeError, ValueError):
-            raise ValueError(f"zipserv: quantization_config.format_version is {version!r}, not an integer") from None
+            raise errors.report(ValueError(
+                f"zipserv: quantization_config.format_version is {version!r}, not an integer")) from None
         known = {"quant_method", "format_version", "mode", "verify"}
         return cls(precompressed=True, mode=config.get("mode"), format_version=version,
                    extra={k: v for k, v in config.items() if k not in known}, verify=config.get("verify"))
@@ -172,7 +176,10 @@ class ZipServConfig(QuantizationConfig):
             return
         from .preflight import check_checkpoint
 
-        counts = check_checkpoint(path)
+        try:
+            counts = check_checkpoint(path)
+        except Exception as exc:
+            raise errors.report(exc)
         logger.debug("zipserv: checkpoint %s: %d compressed matrices in %d shard(s), mode %s",
                     path, counts["compressed"], counts["shards"], self.mode)
 

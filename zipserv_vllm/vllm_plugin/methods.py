@@ -45,7 +45,7 @@ from .. import embedding as _embedding_op  # noqa: F401  registers zipserv::embe
 from .. import ops
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
-from . import loading
+from . import errors, loading
 from .gemm import exact_gemm
 from .log import logger
 
@@ -212,7 +212,10 @@ class ZipServLinearMethod(_ZipServMethodBase, LinearMethodBase):
                 layer._zs_unq_done = True
                 self._unq.process_weights_after_loading(layer)
             return
-        self._process(layer)
+        try:
+            self._process(layer)
+        except Exception as exc:
+            raise errors.report(exc)
 
     def _bf16_process(self, layer) -> None:
         if self._unq is None:
@@ -270,7 +273,10 @@ class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
                 layer._zs_unq_done = True
                 self._unq.process_weights_after_loading(layer)
             return
-        self._process(layer)
+        try:
+            self._process(layer)
+        except Exception as exc:
+            raise errors.report(exc)
 
     def _bf16_process(self, layer) -> None:
         layer._zs_unq_done = True
