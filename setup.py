@@ -95,7 +95,9 @@ class BuildExt(build_ext):
         if ext.name == "zipserv_vllm._cuda" and _nvb is not None:
             nvcc = _nvb.find_nvcc()
             archs = _nvb.cuda_archs(nvcc)
-            out = os.path.join(self.build_temp, "cuda_objs", "_".join(archs))
+            # In the source tree, not build_temp (a fresh temporary directory for every pip build):
+            # a rebuild only recompiles the .cu files when a CUDA source or header changed.
+            out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "cuda_objs", "_".join(archs))
             srcs = _nvb.cu_sources()
             objs = [os.path.join(out, s.name + ".o") for s in srcs]
             deps = [str(p) for p in srcs] + glob.glob("csrc/cuda/*.cuh") + glob.glob("csrc/cuda/*.h") + \
