@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with open(log_path, "w") as log:
             proc = start_server(zs, port, ["--served-model-name", "zipserv-demo", "--enforce-eager",
-                                           "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)],
+                                           "--max-model-len", "1024" if args.model == "smollm2" else "256", "--kv-cache-memory-bytes", str(256 << 20)],
                                 log, env)
             try:
                 wait_ready(proc, port, args.timeout)

@@ -335,7 +335,7 @@ def _decode_checked(e: Entry, ct: CompressedTensor, threads: int | None, transpo
     w = decompress_tensor(ct, threads=threads)
     problem = _crc_problem(e, ct, w, threads)
     if problem:
-        raise CheckpointError(f"{e.name}: {problem}: the compressed data is corrupt")
+        raise CheckpointError(f"{e.name}: {problem}" + ("" if "damaged" in problem else ": the compressed data is corrupt"))
     return w.t().contiguous() if transpose else w
 
 
