@@ -54,6 +54,14 @@ else
 fi
 "$VENV/bin/python" -c "import zipserv_vllm; print('    zipserv_vllm', zipserv_vllm.__version__, '- native codec:', zipserv_vllm.native_available())"
 
+# vLLM 0.33's Python package (no dependencies, no CPU wheel exists), for the conformance suite
+# (tests/test_conformance.py): 336 MB download, 0.9 GB unpacked.
+if [ ! -d .vllm033/vllm-0.33.0.dist-info ]; then
+  say "installing vLLM 0.33.0's Python package into .vllm033/ for the conformance suite (336 MB download)"
+  rm -rf .vllm033
+  pip_v install --no-deps --target .vllm033 "vllm==0.33.0"
+fi
+
 say "building the demo model (SmolLM2-135M-Instruct, BF16, dequantized from the package's Q4_1 GGUF; cached)"
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -m zipserv_vllm.testing.smollm2 | sed 's/^/    /'
 say "done; venv $(du -sh "$VENV" 2>/dev/null | cut -f1). Activate it with: source $VENV/bin/activate"

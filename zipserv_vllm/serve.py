@@ -37,7 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     from .vllm_plugin import errors
 
     errors.install()  # before vLLM starts its processes: they report into this process's file
-    from vllm.entrypoints.launchers.api_server.entry import main as serve_main
+    from .vllm_plugin import compat
+
+    serve_main = compat.find("api_server_entry", required=False)
+    if serve_main is None:
+        print(compat.missing_line("api_server_entry").replace("zipserv: ", "zipserv: error: ", 1), file=sys.stderr)
+        sys.exit(2)
 
     sys.argv = [sys.argv[0] if sys.argv else "zipserv-serve", *args]
     try:

@@ -20,19 +20,32 @@ def test_register_is_idempotent_and_registers_the_name():
 
 
 def test_version_support(monkeypatch):
-    from zipserv_vllm.vllm_plugin import version
+    """0.32 and 0.33 are tested; a newer vLLM runs with one warning when every API is found; an
+    older one is refused with one line; a missing API is named in one line."""
+    from zipserv_vllm.vllm_plugin import compat, version
 
     assert version.is_supported(version.vllm_version())  # the installed one is tested
-    assert version.is_supported("0.32.0") and version.is_supported("0.32.7+cpu")
-    assert not version.is_supported("0.33.0") and not version.is_supported("dev")
-    monkeypatch.setattr(version, "vllm_version", lambda: "0.40.1")
+    assert version.is_supported("0.32.0") and version.is_supported("0.32.7+cpu") and version.is_supported("0.33.0")
+    assert version.status("0.34.1") == "newer" and version.status("0.31.0") == "older"
+    assert not version.is_supported("dev") and version.status("dev") == "unknown"
     monkeypatch.delenv("ZIPSERV_SKIP_VLLM_VERSION_CHECK", raising=False)
-    with pytest.raises(version.UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x, found vLLM 0\.40\.1"):
-        version.check_vllm_version()
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.40.1")
+    version.check_vllm_version()  # newer: allowed (the compatibility layer decides)
     from zipserv_vllm.vllm_plugin.config import ZipServConfig
 
-    with pytest.raises(version.UnsupportedVLLMError, match="found vLLM 0.40.1"):
+    assert ZipServConfig().mode in ("fast", "exact")
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.31.2")
+    with pytest.raises(version.UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, found vLLM 0\.31\.2"):
+        version.check_vllm_version()
+    with pytest.raises(version.UnsupportedVLLMError, match="found vLLM 0.31.2"):
         ZipServConfig()
+    # an API that moved away: one line naming it, the candidates and the tested versions
+    assert compat.missing() == []
+    monkeypatch.setitem(compat.NEEDS, "LinearBase", compat.Need("LinearBase", (("vllm.no_such_module", "LinearBase"),)))
+    monkeypatch.setitem(compat._found, "LinearBase", None)
+    with pytest.raises(compat.VLLMCompatError, match=r"has no LinearBase \(vllm\.no_such_module\.LinearBase\), which "
+                                                     r"zipserv-vllm needs; zipserv-vllm is tested with vLLM 0\.32\.x, 0\.33\.x"):
+        compat.check()
 
 
 def test_mode_resolution(monkeypatch):

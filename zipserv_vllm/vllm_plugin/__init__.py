@@ -8,6 +8,7 @@ package imports no vLLM (so :mod:`.arena` and :mod:`.tiles` work without it);
 
 Modules:
   * :mod:`.version`  - the vLLM versions this plugin is tested with (one place).
+  * :mod:`.compat`   - every vLLM symbol the plugin uses, found by feature (one place).
   * :mod:`.config`   - ``ZipServConfig`` (quant_method ``zipserv``, modes, preflight checks).
   * :mod:`.methods`  - linear / embedding methods (pre-compressed and pack-at-load).
   * :mod:`.loading`  - per-layer state, tensor-parallel tile selection, completeness checks.
@@ -27,11 +28,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from . import errors, version
+    from . import compat, errors, version
 
     errors.install()
-
     version.warn_if_unsupported()
+    try:
+        compat.check()
+    except compat.VLLMCompatError as exc:
+        errors.report(exc)  # one line; "zipserv" then stays unknown to vLLM
+        return
     from . import config  # noqa: F401  (runs @register_quantization_config)
 
 

@@ -19,17 +19,17 @@ from typing import Any
 
 import torch
 
-from vllm.model_executor.layers.linear import LinearBase
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
 from ..format import spec
-from . import errors, loading, methods
+from . import compat, errors, loading, methods
 from ..format.cpu_layout import PackedTensor
 from .arena import DEFAULT_PAGE_BYTES, PagedArena
 from .log import logger
 from .version import check_vllm_version
+
+LinearBase = compat.find("LinearBase")
+QuantizationConfig = compat.find("QuantizationConfig")
+VocabParallelEmbedding = compat.find("VocabParallelEmbedding")
+register_quantization_config = compat.find("register_quantization_config")
 
 NAME = "zipserv"
 MODES = ("fast", "exact")

@@ -30,17 +30,13 @@ class _GemmHolder:
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` by the kernel vLLM's unquantized layer would use."""
-    from vllm.platforms import current_platform
+    from . import compat
 
     holder = _GemmHolder(weight, bias)
-    if current_platform.is_cpu():
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)  # type: ignore[arg-type]
+    if compat.find("current_platform").is_cpu():
+        compat.find("dispatch_cpu_unquantized_gemm")(holder, remove_weight=False)
         return holder.cpu_linear(x, weight, holder.bias)
-    from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
-
-    return dispatch_unquantized_gemm()(holder, x, weight, bias)
+    return compat.find("dispatch_unquantized_gemm")()(holder, x, weight, bias)
 
 
 @torch.library.custom_op("zipserv::exact_linear", mutates_args=())

@@ -167,14 +167,12 @@ def _layer_split(layer, state: LayerState, shard_id) -> tuple[tuple[int, int] | 
 
     ``None`` for the split means the whole shard; ``None`` for the shape means
     the layer type is not known here (the generic path is used)."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from . import compat
+
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear = (
+        compat.find(n) for n in ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+                                 "ReplicatedLinear", "RowParallelLinear"))
+    VocabParallelEmbedding = compat.find("VocabParallelEmbedding")
 
     t = type(layer)
     if isinstance(layer, VocabParallelEmbedding):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 
-try:
-    from vllm.logger import init_logger
+from . import compat
 
-    logger = init_logger("vllm.zipserv")
-except Exception:  # pragma: no cover - vLLM missing: plain logging
-    logger = logging.getLogger("vllm.zipserv")
+_init_logger = compat.find("init_logger", required=False)
+logger = _init_logger("vllm.zipserv") if _init_logger is not None else logging.getLogger("vllm.zipserv")

@@ -35,19 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
 
-from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
-from vllm.model_executor.utils import set_weight_attrs
-
 from .. import embedding as _embedding_op  # noqa: F401  registers zipserv::embedding
 from .. import ops
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
-from . import errors, loading
+from . import compat, errors, loading
 from .gemm import exact_gemm
 from .log import logger
+
+LinearMethodBase = compat.find("LinearMethodBase")
+UnquantizedLinearMethod = compat.find("UnquantizedLinearMethod")
+QuantizeMethodBase = compat.find("QuantizeMethodBase")
+UnquantizedEmbeddingMethod = compat.find("UnquantizedEmbeddingMethod")
+initialize_online_processing = compat.find("initialize_online_processing")
+set_weight_attrs = compat.find("set_weight_attrs")
 
 _STATE = "_zs_state"
 
@@ -122,11 +123,9 @@ class _ZipServMethodBase:
 
     @staticmethod
     def _expected_shards(layer):
-        from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-
-        if isinstance(layer, QKVParallelLinear):
+        if isinstance(layer, compat.find("QKVParallelLinear")):
             return ["q", "k", "v"]
-        if isinstance(layer, MergedColumnParallelLinear):
+        if isinstance(layer, compat.find("MergedColumnParallelLinear")):
             return list(range(len(layer.output_sizes)))
         return [None]
 

