@@ -1,4 +1,4 @@
-"""Run the greedy batch at tensor-parallel size 2 for several checkpoints (one JSON line).
+"""Run the greedy batch at tensor- (or, with ZS_PARALLEL=pp, pipeline-) parallel size 2 for several checkpoints.
 
 Started in a subprocess by test_tensor_parallel.py: TP=2 on CPU needs the
 multi-process executor and ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and it must
@@ -29,7 +29,8 @@ def main() -> None:
         name, _, rest = spec.partition("=")
         model, _, quant = rest.partition(",")
         kw = {"quantization": quant} if quant else {}
-        llm = LLM(model=model, tensor_parallel_size=2, **{**ENGINE_KW, **kw})
+        size = {"pipeline_parallel_size": 2} if os.environ.get("ZS_PARALLEL") == "pp" else {"tensor_parallel_size": 2}
+        llm = LLM(model=model, **size, **{**ENGINE_KW, **kw})
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         results[name] = {

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -243,3 +244,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def build_lora_adapter(path, base: str | os.PathLike, *, rank: int = 8, seed: int = 3) -> Path:
+    """A PEFT-format LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for the
+    tiny Llama/Qwen2 checkpoint ``base``: q/v/o and gate/down projections of every layer,
+    N(0, 0.05^2) A and B matrices, BF16."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.v_proj": (h, kv), "self_attn.o_proj": (q, h),
+              "mlp.gate_proj": (h, inter), "mlp.down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for name, (din, dout) in shapes.items():
+            p = f"base_model.model.model.layers.{i}.{name}"
+            tensors[f"{p}.lora_A.weight"] = (torch.randn(rank, din, generator=gen) * 0.05).to(torch.bfloat16)
+            tensors[f"{p}.lora_B.weight"] = (torch.randn(dout, rank, generator=gen) * 0.05).to(torch.bfloat16)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted({n.rsplit(".", 1)[1] for n in shapes}), "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base), "fan_in_fan_out": False, "modules_to_save": None}, indent=2) + "\n")
+    return path

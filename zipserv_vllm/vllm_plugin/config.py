@@ -207,8 +207,13 @@ class ZipServConfig(QuantizationConfig):
     def arena(self, device: torch.device) -> PagedArena:
         key = str(torch.device(device))
         if key not in self._arenas:
-            self._arenas[key] = PagedArena(device, page_bytes=self.page_bytes)
+            self._arenas[key] = self._new_arena(device)
         return self._arenas[key]
+
+    def _new_arena(self, device) -> PagedArena:
+        arena = PagedArena(device, page_bytes=self.page_bytes)
+        arena.__dict__["_zs_states"] = self._states  # its users, for freeing pages after weight updates
+        return arena
 
     def execute_plan(self) -> None:
         """Pre-compressed: load every recorded layer's tiles (first call only)."""
@@ -243,7 +248,7 @@ class ZipServConfig(QuantizationConfig):
         for key, old in list(self._arenas.items()):
             if not loading.uses_packed(old.device, self.mode):
                 continue
-            new = PagedArena(old.device, page_bytes=self.page_bytes)
+            new = self._new_arena(old.device)
             n = loading.repack_cpu([s for s in self._states if s.layer is not None or s.tables], old, new)
             if n:
                 self._arenas[key] = new

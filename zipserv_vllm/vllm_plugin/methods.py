@@ -136,7 +136,8 @@ class _ZipServMethodBase:
         for name in (*loading.ALL_SUFFIXES, loading.WEIGHT):
             p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
             layer.register_parameter(name, p)
-            set_weight_attrs(p, {"weight_loader": loading.recorder(st, name)})
+            set_weight_attrs(p, {"weight_loader": loading.recorder(st, name),
+                                 "weight_loader_numel": loading.RELOAD_NUMEL})
         st.device = layer.weight.device
 
     def _create_online(self, layer, rows, cols, extra) -> None:
@@ -147,12 +148,26 @@ class _ZipServMethodBase:
         layer.register_parameter("weight", w)
         set_weight_attrs(w, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(w, extra)
+        # A zipserv checkpoint's arrays cannot update a layer compressed while loading: one clear line.
+        for name in loading.ALL_SUFFIXES:
+            p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, {"weight_loader": loading.refuse_arrays(st)})
         initialize_online_processing(layer)
 
     # ---------------------------------------------------------- processing
     def _process(self, layer) -> None:
         st = _state(layer)
+        w = layer.__dict__.get("_parameters", {}).get("weight")
+        if st.done and not st.bf16 and st.tied_to is None and w is not None and not w.is_meta \
+                and w.numel() == st.rows * st.cols and st.parts:
+            # vLLM's layer-wise reload materialised this pack-at-load layer's BF16 weight and
+            # loaded the new values into it: encode them, and give the layer its placeholder back.
+            loading.reencode(st, w.data)
+            self._placeholder(layer, st, w)
+            return
         if st.done:
+            st.__dict__.pop("_seen", None)  # a reload has finished this layer
             self.config.finish_loading()  # every layer has been processed once: loading is over
         elif st.tied_to is not None:
             st.done = True
@@ -173,7 +188,13 @@ class _ZipServMethodBase:
             st.bf16, st.done, st.path, st.bf16_reason = True, True, "bf16", str(exc)
             self._bf16_process(layer)
             return
+        self._placeholder(layer, st, w)
+
+    @staticmethod
+    def _placeholder(layer, st: loading.LayerState, w) -> None:
+        """The loaded layer's 0-size ``weight``: its loader takes weight updates."""
         layer.weight = Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+        set_weight_attrs(layer.weight, {"weight_loader": loading.update_loader(st)})
 
     def _bf16_process(self, layer) -> None:
         raise NotImplementedError
