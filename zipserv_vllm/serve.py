@@ -9,7 +9,9 @@ same options as ``vllm serve``:
     python -m zipserv_vllm.serve ./model-zs --host 127.0.0.1 --port 8000
     python -m zipserv_vllm.serve ./model-bf16 --quantization zipserv   # pack at load
 
-A leading positional MODEL becomes ``--model MODEL``. On a CPU box, where
+A leading positional MODEL becomes ``--model MODEL``. It listens on 127.0.0.1
+unless ``--host`` says otherwise (``vllm serve`` itself listens on every
+interface). On a CPU box, where
 vLLM refuses to start without an explicit KV-cache size (pitfall 3), it sets
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless that or ``--kv-cache-memory-bytes``
 is given. The zipserv plugin is loaded by vLLM itself through its entry point.
@@ -27,6 +29,8 @@ import sys
 def _argv(argv: list[str]) -> list[str]:
     if argv and not argv[0].startswith("-"):
         argv = ["--model", argv[0], *argv[1:]]
+    if not any(a == "--host" or a.startswith("--host=") for a in argv):
+        argv = [*argv, "--host", "127.0.0.1"]  # this machine only, unless the user asks for more
     return argv
 
 
