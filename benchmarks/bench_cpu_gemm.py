@@ -45,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import zipserv_vllm  # noqa: E402
-from zipserv_vllm import compress_tensor, cpu_kernels  # noqa: E402
+from zipserv_vllm import compress_tensor  # noqa: E402
+from zipserv_vllm.kernels import cpu as cpu_kernels  # noqa: E402
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
 NS = (1, 4, 16)

@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import zipserv_vllm  # noqa: E402
-from zipserv_vllm import compress_tensor, cpu_kernels  # noqa: E402
+from zipserv_vllm import compress_tensor  # noqa: E402
+from zipserv_vllm.kernels import cpu as cpu_kernels  # noqa: E402
 
 SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # qkv, o, gate_up, down
 

@@ -67,7 +67,7 @@ class Linears:
         if compressed:
             enc = zipserv_vllm.compress_tensor
             if next(iter(weights.values())).is_cuda:
-                from zipserv_vllm import cuda_ops
+                from zipserv_vllm.kernels import cuda as cuda_ops
 
                 enc = cuda_ops.compress_tensor_cuda
             self.w = {k: enc(v) for k, v in weights.items()}
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("bench_decode_e2e: no CUDA device; use --device cpu --tiny for a CPU smoke run", file=sys.stderr)
             return 2
-        from zipserv_vllm import cuda_ops
+        from zipserv_vllm.kernels import cuda as cuda_ops
 
         if not cuda_ops.available():
             print(f"bench_decode_e2e: {cuda_ops.unavailable_reason()}", file=sys.stderr)
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     bf16 = Linears(weights, compressed=False)
     zs = Linears(weights, compressed=True)
     if device.type == "cuda":
-        from zipserv_vllm import cuda_ops
+        from zipserv_vllm.kernels import cuda as cuda_ops
 
         shapes = [tuple(ct.shape) for ct in zs.w.values()]
         cuda_ops.reserve_workspaces(device, max(m for m, _ in shapes), max(k for _, k in shapes), max(batches),

@@ -51,7 +51,7 @@ def need_cuda(tool: str):
         print(f"{tool}: no CUDA device (torch.cuda.is_available() is False); this benchmark only runs on a GPU "
               "and reports nothing otherwise", file=sys.stderr)
         sys.exit(2)
-    from zipserv_vllm import cuda_ops
+    from zipserv_vllm.kernels import cuda as cuda_ops
 
     if not cuda_ops.available():
         print(f"{tool}: {cuda_ops.unavailable_reason()}", file=sys.stderr)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     import zipserv_vllm
-    from zipserv_vllm import dispatch
+    from zipserv_vllm.kernels import dispatch
 
     shapes_mod = load_shapes()
     models = ["llama3-8b"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]

@@ -65,7 +65,7 @@ if ! timeout "${BUILD_TIMEOUT:-300}" env ZIPSERV_BUILD_ONLY=_C,_cuda,_emul "$PY"
 fi
 log "build ok in $(( $(date +%s) - BUILD_START )) s"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "from zipserv_vllm import cuda_ops; print('cuda_ops.available:', cuda_ops.available(), cuda_ops.unavailable_reason())" 2>&1 | tee -a "$LOG"
+"$PY" -c "from zipserv_vllm.kernels import cuda as cuda_ops; print('cuda_ops.available:', cuda_ops.available(), cuda_ops.unavailable_reason())" 2>&1 | tee -a "$LOG"
 
 TEST_RC=0
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -90,7 +90,7 @@ fi
 
 if [ -n "${TUNE:-}" ]; then
   log "5. tune_dispatch"
-  GPU_KEY=$("$PY" -c "import torch; from zipserv_vllm.dispatch import table_key; print(table_key(torch.cuda.get_device_name()))")
+  GPU_KEY=$("$PY" -c "import torch; from zipserv_vllm.kernels.dispatch import table_key; print(table_key(torch.cuda.get_device_name()))")
   timeout "${TUNE_TIMEOUT:-150}" "$PY" benchmarks/tune_dispatch.py --out "$OUT/dispatch-$GPU_KEY.json" \
       > "$OUT/tune_dispatch.txt" 2>&1
   log "tune_dispatch exit status $?"; tail -3 "$OUT/tune_dispatch.txt" | tee -a "$LOG"

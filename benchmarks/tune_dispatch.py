@@ -7,7 +7,7 @@ cuBLAS), rotating weight copies as bench_zipgemm.py does. The fastest choice
 per (shape, N) becomes a shape rule; ``fused_max_n`` (used for shapes not in
 the table) is the largest measured N at which the fused kernel wins on at
 least half of the shapes. The table is written to
-configs/dispatch/<gpu-name>.json (zipserv_vllm.dispatch looks it up by
+configs/dispatch/<gpu-name>.json (zipserv_vllm.kernels.dispatch looks it up by
 name) unless --out says otherwise, with every measurement kept under
 "measured". Needs a CUDA device; exits with status 2 otherwise.
 """
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="default: configs/dispatch/<gpu-name>.json")
     args = ap.parse_args(argv)
     torch, cuda_ops = need_cuda("tune_dispatch")
-    from zipserv_vllm import dispatch
+    from zipserv_vllm.kernels import dispatch
 
     shapes_mod = load_shapes()
     dev = torch.device("cuda")

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import zipserv_vllm
-from zipserv_vllm import compress_tensor, cpu_kernels
+from zipserv_vllm import compress_tensor
+from zipserv_vllm.kernels import cpu as cpu_kernels
 from zipserv_vllm.format import reference
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import zipserv_vllm
-from zipserv_vllm import compress_tensor, cpu_kernels
-from zipserv_vllm.embedding import compressed_embedding
+from zipserv_vllm import compress_tensor
+from zipserv_vllm.kernels import cpu as cpu_kernels
+from zipserv_vllm.kernels.embedding import compressed_embedding
 from zipserv_vllm.format import FormatError
 from zipserv_vllm.format import cpu_layout as L
 

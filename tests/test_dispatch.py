@@ -1,11 +1,11 @@
-"""Selection logic of zipserv_vllm.dispatch (fused vs decoupled, tile_n, split-K) on CPU."""
+"""Selection logic of zipserv_vllm.kernels.dispatch (fused vs decoupled, tile_n, split-K) on CPU."""
 
 import json
 
 import pytest
 
-from zipserv_vllm import dispatch
-from zipserv_vllm.dispatch import Plan
+from zipserv_vllm.kernels import dispatch
+from zipserv_vllm.kernels.dispatch import Plan
 
 
 def test_tile_n_buckets_follow_the_paper_ranges():

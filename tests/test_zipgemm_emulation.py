@@ -17,7 +17,7 @@ must break it. Budget: ~10 s on 2 cores.
 import numpy as np
 import pytest
 
-from zipserv_vllm import dispatch
+from zipserv_vllm.kernels import dispatch
 from zipserv_vllm.format import reference
 
 _emul = pytest.importorskip("zipserv_vllm._emul", reason="zipserv_vllm._emul not built (pip install -e .)")
@@ -138,7 +138,7 @@ def test_wrong_mapping_fails(flag):
 def _encode_replay(w):
     import torch
 
-    from zipserv_vllm.cuda_ops import canonical_offsets
+    from zipserv_vllm.kernels.cuda import canonical_offsets
 
     bitmaps, base, hcount, ssm, sfb = _emul.emulate_encode_tiles(w)
     off, s_len, f_len = canonical_offsets(torch.from_numpy(hcount))

@@ -2,7 +2,7 @@
 
 from .codec import compress_tensor, decompress_tensor, native_available
 from .format import CompressedTensor, FormatError
-from .ops import linear
+from .kernels.ops import linear
 
 __version__ = "0.1.0"
 

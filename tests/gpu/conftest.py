@@ -8,7 +8,7 @@ def _reason() -> str:
 
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False: the CUDA kernels cannot run here (CPU emulation: tests/test_zipgemm_emulation.py)"
-    from zipserv_vllm import cuda_ops
+    from zipserv_vllm.kernels import cuda as cuda_ops
 
     return cuda_ops.unavailable_reason()
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import zipserv_vllm
-from zipserv_vllm import cuda_ops, dispatch
+from zipserv_vllm.kernels import cuda as cuda_ops, dispatch
 from zipserv_vllm.format import reference
 
 from .shapes import LLAMA3_8B, NS, all_shapes
@@ -75,7 +75,7 @@ def test_decompress_all_patterns_and_non_finite():
     allp = torch.from_numpy(np.random.default_rng(0).permutation(65536).astype(np.uint16).view(np.int16))
     w = allp.view(torch.bfloat16).reshape(256, 256)
     ct = zipserv_vllm.compress_tensor(w).to(DEV)
-    assert torch.equal(zipserv_vllm.ops.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 256, 256)
+    assert torch.equal(zipserv_vllm.kernels.ops.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 256, 256)
                        .cpu().view(torch.int16), w.view(torch.int16))
 
 

@@ -135,7 +135,7 @@ def test_plan_refuses_unaligned():
 def test_repack_cpu_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
     """CPU fast mode's repack (loading.repack_cpu): every layer ends up in the byte-split
     layout, bit for bit, and each v1 page is freed as soon as no layer left needs it."""
-    from zipserv_vllm import cpu_kernels
+    from zipserv_vllm.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import zipserv_vllm
-from zipserv_vllm import cpu_kernels
+from zipserv_vllm.kernels import cpu as cpu_kernels
 from zipserv_vllm.codec import compress_tensor, decompress_tensor
-from zipserv_vllm.embedding import compressed_embedding
+from zipserv_vllm.kernels.embedding import compressed_embedding
 
 
 def _bits(t):

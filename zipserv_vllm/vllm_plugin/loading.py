@@ -65,7 +65,7 @@ def cpu_layout() -> str:
 
 def uses_packed(device: torch.device, mode: str) -> bool:
     """Whether layers on ``device`` are held in the CPU byte-split layout."""
-    from .. import cpu_kernels
+    from ..kernels import cpu as cpu_kernels
 
     return (torch.device(device).type == "cpu" and mode == "fast" and cpu_layout() == "bytesplit"
             and cpu_kernels.available())
@@ -253,7 +253,7 @@ def reencode(st: LayerState, w: torch.Tensor) -> None:
         part = w[row : row + m].detach().to("cpu").contiguous()
         row += m
         if packed:
-            from .. import cpu_kernels
+            from ..kernels import cpu as cpu_kernels
 
             tables.append(st.arena.store(cpu_kernels.pack(part).arrays()))
         else:
@@ -638,7 +638,7 @@ def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bo
     ``packed``, into the CPU byte-split layout instead of v1."""
     bf16_bytes = w.numel() * w.element_size()
     if packed:
-        from .. import cpu_kernels
+        from ..kernels import cpu as cpu_kernels
 
         pt = cpu_kernels.pack(w.detach().to("cpu"))
         if pt.nbytes >= bf16_bytes:
@@ -664,7 +664,7 @@ def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> in
     byte-split layout, one layer at a time; each page of ``old`` is released as
     soon as no layer left to repack uses it, so the peak stays near the final
     size plus a page. Returns the number of layers repacked."""
-    from .. import cpu_kernels
+    from ..kernels import cpu as cpu_kernels
 
     def pages(st: LayerState) -> set[int]:
         return {e.slot.page for t in st.tables for e in t.entries.values()}

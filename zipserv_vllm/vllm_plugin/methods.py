@@ -21,7 +21,7 @@ At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
   the byte-split layout (``PackedTensor``, ``zipserv::packed_gemm``; see
   :mod:`.loading`), unless ``ZIPSERV_CPU_LAYOUT=v1``.
 
-The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.embedding`) decodes
+The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.kernels.embedding`) decodes
 only the tile rows (64 vocabulary rows each) that the batch's ids touch, then
 gathers. Every op used here is a torch.library custom op with a fake
 implementation, so vLLM's torch.compile path traces ``apply``/``embedding``.
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
 
-from .. import embedding as _embedding_op  # noqa: F401  registers zipserv::embedding
-from .. import ops
+from ..kernels import embedding as _embedding_op
+from ..kernels import ops
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
 from . import compat, errors, loading

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, ops
-from .format import spec
+from ..format import spec
 
 try:
-    from . import _cuda  # type: ignore[attr-defined]
+    from .. import _cuda  # type: ignore[attr-defined]
 except ImportError as exc:  # built only where nvcc was found
     _cuda = None
     _REASON = (f"zipserv_vllm._cuda is not built ({exc}); reinstall with nvcc on PATH or CUDA_HOME set "
@@ -277,7 +277,7 @@ def compress_tensor_cuda(w: torch.Tensor, max_scratch_bytes: int = 512 << 20):
     chunks so the per-tile scratch (12 KiB per tile) stays below
     ``max_scratch_bytes``. Synchronises once per chunk (stream lengths).
     """
-    from .format import CompressedTensor
+    from ..format import CompressedTensor
 
     _need()
     if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_cuda:

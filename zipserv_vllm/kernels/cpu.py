@@ -24,11 +24,11 @@ import os
 import numpy as np
 import torch
 
-from .format import CompressedTensor
-from .format.cpu_layout import PackedTensor
+from ..format import CompressedTensor
+from ..format.cpu_layout import PackedTensor
 
 try:
-    from . import _cpu_gemm  # type: ignore[attr-defined]
+    from .. import _cpu_gemm  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - exercised only without a build
     _cpu_gemm = None
     _REASON = f"zipserv_vllm._cpu_gemm is not built ({exc}); build it with `python setup.py build_ext --inplace`"
@@ -212,7 +212,7 @@ def pack(w: torch.Tensor | CompressedTensor, *, threads: int | None = None) -> P
     """
     _need()
     if isinstance(w, CompressedTensor):
-        from .codec import decompress_tensor
+        from ..codec import decompress_tensor
 
         w = decompress_tensor(w.to("cpu"))
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or w.numel() == 0:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .format import CompressedTensor, spec
-from .format.cpu_layout import PackedTensor
+from ..format import CompressedTensor, spec
+from ..format.cpu_layout import PackedTensor
 
 
 def _lookup(ids, decode_rows, device, m, k, rows):
@@ -47,7 +47,7 @@ def _lookup(ids, decode_rows, device, m, k, rows):
 @torch.library.custom_op("zipserv::embedding", mutates_args=())
 def embedding(ids: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
               sm: torch.Tensor, fb: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
-    from .codec import decompress_tensor
+    from ..codec import decompress_tensor
 
     def decode_rows(idx, sub_m):
         # The selected tiles keep their segment starts: offsets may point anywhere in the streams.

@@ -139,7 +139,7 @@ def table_dirs() -> list[Path]:
     dirs = []
     if os.environ.get(TABLE_DIR_ENV):
         dirs.append(Path(os.environ[TABLE_DIR_ENV]))
-    dirs.append(Path(__file__).resolve().parent.parent / "configs" / "dispatch")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs" / "dispatch")
     return dirs
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .format import CompressedTensor
-from .format.cpu_layout import PackedTensor, reference_unpack
+from ..format import CompressedTensor
+from ..format.cpu_layout import PackedTensor, reference_unpack
 
 MODES = ("fast", "exact")
 
@@ -37,7 +37,7 @@ def _ct(bitmaps, base, offsets, sm, fb, m, k) -> CompressedTensor:
 @torch.library.custom_op("zipserv::decompress", mutates_args=())
 def decompress(bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
                sm: torch.Tensor, fb: torch.Tensor, m: int, k: int) -> torch.Tensor:
-    from .codec import decompress_tensor
+    from ..codec import decompress_tensor
 
     return decompress_tensor(_ct(bitmaps, base, offsets, sm, fb, m, k))
 
@@ -54,7 +54,7 @@ def gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: to
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "fast" and x.device.type == "cpu":
-        from . import cpu_kernels
+        from . import cpu as cpu_kernels
 
         if cpu_kernels.use_fused(x, bias, m):
             return cpu_kernels.fused_gemm(x, bitmaps, base, offsets, sm, fb, m, k, bias)
@@ -70,7 +70,7 @@ def _(x, bitmaps, base, offsets, sm, fb, m, k, bias, mode):
 @torch.library.custom_op("zipserv::packed_decompress", mutates_args=())
 def packed_decompress(tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor, exc: torch.Tensor,
                       m: int, k: int) -> torch.Tensor:
-    from . import cpu_kernels
+    from . import cpu as cpu_kernels
 
     pt = PackedTensor((m, k), tiles, luts, exc_start, exc)
     return cpu_kernels.packed_decode(pt) if cpu_kernels.available() else reference_unpack(pt)
@@ -87,7 +87,7 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "fast" and x.device.type == "cpu":
-        from . import cpu_kernels
+        from . import cpu as cpu_kernels
 
         if cpu_kernels.use_fused(x, bias, m):
             return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias)
@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
         # Eager CPU: call the fused kernel directly; the custom-op dispatcher
         # adds ~60 us per call, a lot for a decode step's small GEMMs. Traced
         # code goes through the op below (same kernel).
-        from . import cpu_kernels
+        from . import cpu as cpu_kernels
 
         if cpu_kernels.use_fused(x, bias, m):
             if packed:
@@ -125,4 +125,3 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
     return gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias, mode)
 
 
-from . import cuda_ops as _cuda_ops  # noqa: E402,F401  CUDA impls (csrc/cuda/); guarded inside: no-op without _cuda
