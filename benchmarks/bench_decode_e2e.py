@@ -212,8 +212,7 @@ def main(argv=None) -> int:
         from zipserv_vllm.kernels import cuda as cuda_ops
 
         shapes = [tuple(ct.shape) for ct in zs.w.values()]
-        cuda_ops.reserve_workspaces(device, max(m for m, _ in shapes), max(k for _, k in shapes), max(batches),
-                                    max_weight_elems=max(m * k for m, k in shapes))
+        cuda_ops.prepare(device)
     build_s = time.time() - t0
 
     results = []

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         layers = shapes_mod.MODELS[model]
         max_m = max(m for m, _ in layers.values())
         max_k = max(k for _, k in layers.values())
-        cuda_ops.reserve_workspaces(dev, max_m, max_k, max(ns), max_weight_elems=max(m * k for m, k in layers.values()))
+        cuda_ops.prepare(dev)
         for layer, (m, k) in layers.items():
             w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
             ct = cuda_ops.compress_tensor_cuda(w)

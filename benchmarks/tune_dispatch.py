@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         copies = max(1, min(8, math.ceil(4 * l2 / (m * k * 2))))
         cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
         kt = -(-k // 64)
-        cuda_ops.reserve_workspaces(dev, m, k, max(ns))
+        cuda_ops.prepare(dev)
         rules = []
         for n in ns:
             x = torch.randn(n, k, device=dev).to(torch.bfloat16)

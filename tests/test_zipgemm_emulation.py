@@ -179,3 +179,56 @@ def test_pipeline_check_catches_two_plane_buffers():
     assert _emul.pipeline_check(1, 2) == []  # one tile: nothing to overlap
     bad = _emul.pipeline_check(6, 2)  # planes two tiles ahead need three buffers
     assert bad and any("read while written" in b for b in bad)
+
+
+# --------------------------------------------------------- embedding gather
+def _embedding_case(m, k, seed, patterns=False):
+    rng = np.random.default_rng(seed)
+    if patterns:  # every BF16 bit pattern: NaN payloads, -0, inf, subnormals
+        w = np.arange(65536, dtype=np.uint16)[: m * k].reshape(m, k)
+    else:
+        w = _weight(rng, m, k)
+    e = reference.encode(w)
+    return w, e
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (64, 64), (130, 452), (200, 70), (256, 1024)])
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
+def test_embedding_kernel_body_equals_lookup(m, k, ids_dtype):
+    """The embedding kernel's own block body (gather_layout.cuh), run for every thread of every
+    block, equals F.embedding on the padded table: ids in the table, in the padding rows
+    (zeros) and outside [0, rows) (clamped, as the kernel documents)."""
+    w, e = _embedding_case(m, k, seed=m + k)
+    rows = m + 37
+    rng = np.random.default_rng(1)
+    ids = np.concatenate([rng.integers(0, m, 40), [0, m - 1, m, rows - 1, -5, rows + 9]]).astype(ids_dtype)
+    out = _emul.emulate_embedding(ids, e.bitmaps, e.base, e.offsets, e.sm, e.fb, m, k, rows)
+    padded = np.concatenate([w, np.zeros((rows - m, k), dtype=np.uint16)])
+    want = padded[np.clip(ids.astype(np.int64), 0, rows - 1)]
+    assert out.shape == (len(ids), k)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_embedding_kernel_body_all_patterns_and_noncanonical_layout():
+    """All 65,536 patterns, with the segments stored in reverse tile order and garbage between them."""
+    w, e = _embedding_case(256, 256, 0, patterns=True)
+    sm_len, fb_len = (x.reshape(-1) for x in _segment_lengths(e.bitmaps))
+    g = sm_len.size
+    sm, fb, off = [], [], np.zeros((g, 2), dtype=np.int64)
+    pos_sm = pos_fb = 0
+    for t in reversed(range(g)):
+        sm.append(np.full(16, 0xAB, np.uint8)); pos_sm += 16
+        fb.append(np.full(8, 0xCDEF, np.uint16)); pos_fb += 8
+        a, b = e.offsets.reshape(-1, 2)[t]
+        off[t] = (pos_sm, pos_fb)
+        sm.append(e.sm[a:a + sm_len[t]]); pos_sm += sm_len[t]
+        fb.append(e.fb[b:b + fb_len[t]]); pos_fb += fb_len[t]
+    ids = np.arange(256, dtype=np.int64)[::-1].copy()
+    out = _emul.emulate_embedding(ids, e.bitmaps, e.base, off.reshape(e.offsets.shape), np.concatenate(sm),
+                                  np.concatenate(fb), 256, 256, 256)
+    np.testing.assert_array_equal(out, w[ids])
+
+
+def _segment_lengths(bitmaps):
+    h = reference.tile_high_counts(bitmaps)
+    return -(-h // 16) * 16, -(-(4096 - h) // 8) * 8

@@ -66,6 +66,17 @@ PYBIND11_MODULE(_cuda, m) {
       "Decompress to row-major bf16 [M, K]");
 
   m.def(
+      "embedding_gather",
+      [](uintptr_t ids, int ids_int64, int64_t n, uintptr_t bitmaps, uintptr_t base, uintptr_t offsets,
+         uintptr_t sm, uintptr_t fb, uintptr_t out, int M, int K, int64_t rows, uintptr_t stream) {
+        zipserv::gather::GatherArgs a{reinterpret_cast<const void*>(ids), ids_int64, n, ptr<const uint64_t>(bitmaps),
+                                      ptr<const uint8_t>(base), ptr<const int64_t>(offsets), ptr<const uint8_t>(sm),
+                                      ptr<const uint16_t>(fb), ptr<uint16_t>(out), M, K, rows};
+        check(embedding_gather(a, stream), "embedding_gather");
+      },
+      "Rows ids of a compressed table (vocabulary padding rows M..rows-1 read zeros) into bf16 out [n, K]");
+
+  m.def(
       "encode_tiles",
       [](uintptr_t w, int M, int K, int tm0, int tm_count, uintptr_t bitmaps, uintptr_t base, uintptr_t hcount,
          uintptr_t scratch_sm, uintptr_t scratch_fb, uintptr_t stream) {

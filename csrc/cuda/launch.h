@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "gather_layout.cuh"
+
 namespace zipserv {
 namespace cuda {
 
@@ -66,6 +68,9 @@ int encode_scatter(const ScatterArgs& a, uintptr_t stream);
 // first launch inside a capture would load a module during capture).
 int prepare_current_device();
 int decompress_preload();
+// zipserv::embedding: rows of a compressed table (gather_layout.cuh).
+int embedding_gather(const zipserv::gather::GatherArgs& a, uintptr_t stream);
+int embedding_preload();
 const char* error_string(int err);
 
 }  // namespace cuda

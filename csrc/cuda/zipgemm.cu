@@ -66,6 +66,7 @@ int prepare_current_device() {
     err = static_cast<int>(cudaFuncGetAttributes(&at, splitk_reduce));
   }
   if (!err) err = decompress_preload();
+  if (!err) err = embedding_preload();
   return err;
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "encode_layout.cuh"
+#include "gather_layout.cuh"
 #include "zipgemm_layout.cuh"
 #include "zipserv/decode_lane.h"
 #include "zipserv/format.h"
@@ -183,6 +184,34 @@ py::array_t<uint16_t> lane_decode_matrix(const Arr<uint64_t>& bitmaps, const Arr
       hrun += popc64(indicator(p0, p1, p2));
     }
   }
+  return out;
+}
+
+// The embedding kernel (csrc/cuda/embedding.cu): its block body, the phase functions of
+// gather_layout.cuh, run for every block and every thread, with the barriers between phases.
+// The output starts as 0xFFFF everywhere, so an element the kernel would not write shows.
+py::array_t<uint16_t> emulate_embedding(const py::array& ids, const Arr<uint64_t>& bitmaps, const Arr<uint8_t>& base,
+                                        const Arr<int64_t>& offsets, const Arr<uint8_t>& sm, const Arr<uint16_t>& fb,
+                                        int M, int K, int64_t rows) {
+  const Compressed c = view(bitmaps, base, offsets, sm, fb, M, K);
+  if (!(ids.flags() & py::array::c_style) || ids.dtype().kind() != 'i' || (ids.itemsize() != 4 && ids.itemsize() != 8))
+    throw py::value_error("ids must be a C-contiguous int32 or int64 array");
+  const int64_t n = ids.size();
+  py::array_t<uint16_t> out({n, static_cast<int64_t>(K)});
+  std::memset(out.mutable_data(), 0xFF, sizeof(uint16_t) * size_t(n) * K);
+  gather::GatherArgs a{ids.data(), ids.itemsize() == 8, n, c.bitmaps, c.base, c.offsets, c.sm, c.fb,
+                       out.mutable_data(), M, K, rows};
+  const int kt = static_cast<int>(tile_count(K));
+  for (int64_t i = 0; i < n; ++i)        // blockIdx.x
+    for (int tk = 0; tk < kt; ++tk) {    // blockIdx.y
+      gather::Shared s;
+      std::memset(&s, 0xA5, sizeof s);   // shared memory starts as garbage
+      const int64_t row = gather::gather_row(a, i);
+      const int64_t g = gather::gather_tile(a, row, tk);
+      for (int t = 0; t < gather::kThreads; ++t) gather::gather_load(a, g, t, s);
+      gather::gather_scan(g, s);         // thread 0, between the two barriers
+      for (int t = 0; t < gather::kThreads; ++t) gather::gather_decode(a, i, row, g, tk, t, s);
+    }
   return out;
 }
 
@@ -512,6 +541,9 @@ PYBIND11_MODULE(_emul, m) {
         py::arg("split"), py::arg("perturb") = 0,
         "Fragment-level replay of the fused kernel (+ split-K reduction) -> (y bf16 bits, y fp32)");
   m.def("emulate_encode_tiles", &emulate_encode_tiles, "Replay of the GPU encoder's per-tile kernel");
+  m.def("emulate_embedding", &emulate_embedding, py::arg("ids"), py::arg("bitmaps"), py::arg("base"),
+        py::arg("offsets"), py::arg("sm"), py::arg("fb"), py::arg("M"), py::arg("K"), py::arg("rows"),
+        "The embedding kernel's block body (gather_layout.cuh) run for every thread of every block -> bf16 bits [n, K]");
   m.def("emulate_encode_scatter", &emulate_encode_scatter, "Replay of the GPU encoder's scatter kernel");
   m.def("pipeline_check", &pipeline_check, py::arg("nt"), py::arg("nbmp") = kBmpBuffers,
         "Hazards of the fused kernel's buffer schedule for nt K tiles (empty list = sound)");

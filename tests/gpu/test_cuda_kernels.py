@@ -150,31 +150,33 @@ def test_batched_input_shape():
 
 
 # ------------------------------------------------------------ cuda graph
+def _capture(fn):
+    """Warm ``fn`` up on a side stream, capture it in a CUDA graph; (graph, outputs of the capture)."""
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def test_cuda_graph_capture_fused_splitk_and_decoupled():
     shapes = [LLAMA3_8B["o"], LLAMA3_8B["qkv"]]
     cts = [_weight(m, k) for m, k in shapes]
-    max_m = max(m for m, _ in shapes)
-    max_k = max(k for _, k in shapes)
-    cuda_ops.reserve_workspaces(DEV, max_m, max_k, 512)
     for n in (1, 16, 100, 512):  # fused + split-K, fused, and (on most tables) decoupled at 512
         xs = [torch.randn(n, k, device=DEV).to(torch.bfloat16) for _, k in shapes]
         bias = (torch.randn(shapes[0][0], device=DEV) * 0.1).to(torch.bfloat16)
         eager = [zipserv_vllm.linear(xs[0], cts[0][1], bias), zipserv_vllm.linear(xs[1], cts[1][1])]
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up outside capture
-            zipserv_vllm.linear(xs[0], cts[0][1], bias)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = [zipserv_vllm.linear(xs[0], cts[0][1], bias), zipserv_vllm.linear(xs[1], cts[1][1])]
+        g, outs = _capture(lambda: [zipserv_vllm.linear(xs[0], cts[0][1], bias), zipserv_vllm.linear(xs[1], cts[1][1])])
         g.replay()
         torch.cuda.synchronize()
         for a, b in zip(outs, eager):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        # new inputs in the captured buffers: results follow
-        for x in xs:
+        for x in xs:  # new inputs in the captured buffers: results follow
             x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
         g.replay()
         torch.cuda.synchronize()
@@ -182,17 +184,85 @@ def test_cuda_graph_capture_fused_splitk_and_decoupled():
         _assert_gemm_close(outs[1], xs[1], cts[1][0])
 
 
-def test_capture_without_reserved_workspace_raises_clearly():
-    cuda_ops.release_workspaces()
-    w, ct = _weight(4096, 4096)
-    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
-    p = cuda_ops.plan(1, 4096, 4096, DEV)
-    if p.split == 1:
-        pytest.skip(f"this GPU's plan for N=1, 4096x4096 uses no split-K ({p})")
+def test_captured_splitk_survives_larger_eager_calls():
+    """The split-K canary: a graph captured with split-K partials, then eager calls that need far
+    more scratch (the lm_head after capture, in vLLM), then the replay: still exact. With a
+    module-level workspace that eager calls replaced, the replay wrote into freed memory."""
+    w, ct = _weight(*LLAMA3_8B["o"])
+    x = torch.randn(1, w.shape[1], device=DEV).to(torch.bfloat16)
+    p = cuda_ops.plan(1, *w.shape, DEV)
+    if p.path != "fused" or p.split == 1:
+        pytest.skip(f"this GPU's plan for N=1, {w.shape} uses no split-K ({p})")
+    want = zipserv_vllm.linear(x, ct)
+    g, y = _capture(lambda: zipserv_vllm.linear(x, ct))
+    big_w, big_ct = _weight(*LLAMA3_8B["lm_head"])
+    for n in (1, 8, 32):  # eager calls with more partials than the captured one
+        xb = torch.randn(n, big_w.shape[1], device=DEV).to(torch.bfloat16)
+        _assert_gemm_close(zipserv_vllm.linear(xb, big_ct), xb, big_w)
+    junk = torch.full((64 << 20,), 7.0, device=DEV)  # reuse whatever the allocator has free
+    del junk
+    y.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
+def test_embedding_graph_capture_and_no_host_sync():
+    m, k = LLAMA3_8B["lm_head"][0] // 8, 512
+    w, ct = _weight(m, k)
+    rows = m + 64  # vLLM's vocabulary padding
+    ids = torch.tensor([0, 5, m - 1, m, rows - 1, 1234], device=DEV)
+    padded = torch.cat([w, torch.zeros(rows - m, k, dtype=w.dtype, device=DEV)])
+    from zipserv_vllm.kernels.embedding import compressed_embedding
+
+    compressed_embedding(ids, ct, rows)  # validates the offsets once, eagerly
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = compressed_embedding(ids, ct, rows)
+        g, cap = _capture(lambda: compressed_embedding(ids, ct, rows))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.view(torch.int16), padded[ids].view(torch.int16))
+    ids.copy_(torch.tensor([7, 8, 9, 0, 1, m + 3], device=DEV))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(cap.view(torch.int16), padded[ids].view(torch.int16))
+    for dtype in (torch.int32, torch.int64):
+        i2 = torch.randint(-3, rows + 3, (4, 33), device=DEV, dtype=dtype)
+        got = compressed_embedding(i2, ct, rows)
+        assert torch.equal(got.view(torch.int16), padded[i2.clamp(0, rows - 1).long()].view(torch.int16))
+
+
+def test_no_host_sync_in_forward_ops():
+    """Every op a forward pass calls runs under set_sync_debug_mode("error") once validated."""
+    w, ct = _weight(*LLAMA3_8B["qkv"])
+    bias = (torch.randn(w.shape[0], device=DEV) * 0.1).to(torch.bfloat16)
+    xs = {n: torch.randn(n, w.shape[1], device=DEV).to(torch.bfloat16) for n in (1, 32, 33, 256)}
+    for x in xs.values():
+        zipserv_vllm.linear(x, ct, bias)  # first call: validation (a host copy) and kernel loading
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs.values():
+            zipserv_vllm.linear(x, ct, bias)
+            zipserv_vllm.linear(x, ct, bias, mode="exact")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bad_offsets_raise_before_any_kernel_reads_them():
+    w, ct = _weight(256, 320)
+    bad = ct.offsets.clone()
+    bad[-1, -1, 0] = 1 << 40
+    x = torch.randn(4, 320, device=DEV).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="overrun"):
+        zipserv_vllm.kernels.ops.gemm(x, ct.bitmaps, ct.base, bad, ct.sm, ct.fb, 256, 320, None, "fast")
+    with pytest.raises(ValueError, match="bias is on cpu"):
+        zipserv_vllm.linear(x, ct, torch.zeros(256, dtype=torch.bfloat16))
     g = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="reserve_workspaces"):
+    fresh = ct.offsets.clone()  # never validated: refused inside a capture
+    with pytest.raises(RuntimeError, match="not validated before CUDA-graph capture"):
         with torch.cuda.graph(g):
-            zipserv_vllm.linear(x, ct)
+            zipserv_vllm.kernels.ops.gemm(x, ct.bitmaps, ct.base, fresh, ct.sm, ct.fb, 256, 320, None, "fast")
 
 
 # ------------------------------------------ layer shapes (the long sweep, last)

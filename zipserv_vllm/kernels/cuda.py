@@ -1,9 +1,12 @@
-"""CUDA implementations of ``zipserv::gemm`` and ``zipserv::decompress`` (csrc/cuda/).
+"""CUDA implementations of ``zipserv::gemm``, ``::decompress`` and ``::embedding`` (csrc/cuda/).
 
-Registered with ``register_kernel("cuda")`` on the ops of ``ops.py`` when this
-module is imported (ops.py imports it, guarded). The extension
-``zipserv_vllm._cuda`` takes raw pointers, sizes and the current stream, so it
-links cudart only; this module does the checks and the bookkeeping.
+Registered with ``register_kernel("cuda")`` on the ops of :mod:`.ops` and
+:mod:`.embedding` when this module is imported (by ``zipserv_vllm.kernels``),
+and only when the extension ``zipserv_vllm._cuda`` is built: without it one
+warning says so and CUDA tensors take the ops' composite implementation
+(decoded on the CPU: correct, slow). The extension takes raw pointers, sizes
+and the current stream, so it links cudart only; this module does the checks
+and the bookkeeping.
 
 * ``mode="exact"``: decompress kernel + ``F.linear`` on the rebuilt weight:
   bit-identical to the BF16 path on the same weights.
@@ -12,21 +15,28 @@ links cudart only; this module does the checks and the bookkeeping.
   GPU) or the decoupled path (decompress into a per-device workspace, then
   ``torch.matmul`` / cuBLAS).
 
-CUDA-graph capture: nothing here synchronises with the host, kernel
-attributes are set once per device (``prepare``), and workspaces are cached
-per device and never grown while a stream is capturing: call
-``reserve_workspaces(device, max_m, max_k, max_n)`` (the model maximum) before
-capturing; a capture that would need more raises instead of allocating.
+CUDA-graph capture: nothing here synchronises with the host during a call.
+Kernel attributes are set once per device (``prepare``). Scratch memory (the
+split-K fp32 partials, the decoupled path's BF16 weight) comes from torch's
+allocator on every call, never from a cache this module could free or grow:
+a call captured in a graph gets its scratch from the graph's memory pool,
+which lives as long as the graph, so a later eager call can never free memory
+that a replay writes into. Each weight's segment offsets are validated against
+its streams once, on the host (``validate_weight``; the vLLM plugin does it
+while loading), before a kernel may read through them; a weight not yet
+validated is validated at its first call, which is refused during capture.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, ops
+from . import dispatch, embedding, ops
 from ..format import spec
 
 try:
@@ -40,8 +50,9 @@ else:
 
 _lock = threading.Lock()
 _prepared: set[int] = set()
-_workspaces: dict[tuple[int, str], torch.Tensor] = {}
 _device_info: dict[int, tuple[str, tuple[int, int], int]] = {}
+# offsets tensor -> (its version, the arrays and shape it was validated with)
+_validated: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -100,40 +111,9 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A cached 1-D buffer of at least ``numel`` elements; grows only outside capture."""
-    key = (_index(device), kind)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < numel:
-        if _capturing():
-            have = 0 if buf is None else buf.numel()
-            raise RuntimeError(
-                f"zipserv {kind} workspace on cuda:{key[0]} holds {have} elements, this call needs {numel}: "
-                "call zipserv_vllm.cuda_ops.reserve_workspaces(...) with the model maximum before graph capture")
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _workspaces[key] = buf
-    return buf
-
-
-def reserve_workspaces(device, max_m: int, max_k: int, max_n: int, max_weight_elems: int | None = None) -> None:
-    """Preallocate, for the largest layer (max_m x max_k) and token count max_n,
-    the split-K workspace (fp32 partials) and the decoupled path's weight
-    workspace (bf16 max_m x max_k), and set the kernel attributes. Call before
-    CUDA-graph capture. ``max_weight_elems`` (default max_m * max_k) is the
-    largest M * K of any layer, when that is less than the product of maxima."""
-    device = torch.device(device)
-    prepare(device)
-    table = dispatch.load_table(*device_info(device)[:2])
-    fused_n = min(max_n, dispatch.max_fused_n(table))
-    if fused_n > 0:
-        _workspace(device, "splitk", int(table.get("max_split", 16)) * fused_n * max_m, torch.float32)
-    decoupled_rules = any(r["path"] == "decoupled" for sh in table.get("shapes", ()) for r in sh["rules"])
-    if max_n > int(table.get("fused_max_n", 128)) or decoupled_rules:
-        _workspace(device, "weight", max_weight_elems or max_m * max_k, torch.bfloat16)
-
-
-def release_workspaces() -> None:
-    _workspaces.clear()
+def _scratch(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-call scratch from torch's allocator (a captured call's comes from its graph's pool)."""
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------ checks
@@ -147,7 +127,7 @@ def _ptr16(t: torch.Tensor, name: str) -> int:
     return p
 
 
-def _check(x: torch.Tensor | None, bitmaps, base, offsets, sm, fb, m: int, k: int) -> None:
+def _check(x: torch.Tensor | None, bitmaps, base, offsets, sm, fb, m: int, k: int, bias=None) -> None:
     mt, kt = -(-m // spec.TILE), -(-k // spec.TILE)
     dev = sm.device
     for name, t, dtype, shape in (("bitmaps", bitmaps, torch.int64, (mt, kt, spec.PLANES, spec.FRAGS_PER_TILE)),
@@ -156,14 +136,50 @@ def _check(x: torch.Tensor | None, bitmaps, base, offsets, sm, fb, m: int, k: in
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"zipserv CUDA: {name} must be {dtype} {list(shape)} for a {m} x {k} weight, "
                              f"got {t.dtype} {list(t.shape)}")
-    if sm.dtype != torch.uint8 or fb.dtype != torch.int16:
-        raise ValueError(f"zipserv CUDA: sm must be uint8 and fb int16, got {sm.dtype} and {fb.dtype}")
-    for name, t in (("bitmaps", bitmaps), ("base", base), ("offsets", offsets), ("fb", fb)) + (
-            (("x", x),) if x is not None else ()):
+    if sm.dtype != torch.uint8 or fb.dtype != torch.int16 or sm.dim() != 1 or fb.dim() != 1:
+        raise ValueError(f"zipserv CUDA: sm must be 1-D uint8 and fb 1-D int16, got {sm.dtype} {list(sm.shape)} "
+                         f"and {fb.dtype} {list(fb.shape)}")
+    if dev.type != "cuda":
+        raise ValueError(f"zipserv CUDA: the compressed weight is on {dev}, not a CUDA device")
+    for name, t in (("bitmaps", bitmaps), ("base", base), ("offsets", offsets), ("sm", sm), ("fb", fb)) + (
+            (("x", x),) if x is not None else ()) + ((("bias", bias),) if bias is not None else ()):
         if t.device != dev:
             raise ValueError(f"zipserv CUDA: {name} is on {t.device}, sm on {dev}")
+        if name != "x" and not t.is_contiguous():  # raw pointers: the kernels assume dense rows
+            raise ValueError(f"zipserv CUDA: {name} must be contiguous")
     if x is not None and x.dtype != torch.bfloat16:
         raise TypeError(f"zipserv CUDA: x must be bfloat16, got {x.dtype}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,)):
+        raise ValueError(f"zipserv CUDA: bias must be bfloat16 [{m}], got {bias.dtype} {list(bias.shape)}")
+    _check_offsets_once(bitmaps, base, offsets, sm, fb, m, k)
+
+
+def validate_weight(bitmaps, base, offsets, sm, fb, m: int, k: int) -> None:
+    """Check on the host that every tile's segments lie inside the streams (the kernels'
+    cp.async copies read through these offsets) and remember it for these tensors."""
+    from ..format import CompressedTensor, FormatError
+
+    ct = CompressedTensor((m, k), bitmaps.cpu(), base.cpu(), offsets.cpu(), sm, fb)
+    try:
+        ct.validate("zipserv CUDA weight")
+    except FormatError as exc:
+        raise ValueError(str(exc)) from None
+    _validated[offsets] = _validation_key(bitmaps, base, offsets, sm, fb, m, k)
+
+
+def _validation_key(bitmaps, base, offsets, sm, fb, m, k) -> tuple:
+    return (offsets._version, bitmaps.data_ptr(), bitmaps._version, base.data_ptr(), base._version,
+            sm.data_ptr(), sm.numel(), fb.data_ptr(), fb.numel(), m, k)
+
+
+def _check_offsets_once(bitmaps, base, offsets, sm, fb, m, k) -> None:
+    if _validated.get(offsets) == _validation_key(bitmaps, base, offsets, sm, fb, m, k):
+        return
+    if _capturing():
+        raise RuntimeError("zipserv CUDA: this compressed weight was not validated before CUDA-graph capture "
+                           "(validation reads its offsets on the host); call "
+                           "zipserv_vllm.kernels.cuda.validate_weight(...) or run it once eagerly first")
+    validate_weight(bitmaps, base, offsets, sm, fb, m, k)
 
 
 def _stream(device) -> int:
@@ -192,7 +208,7 @@ def fused_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int,
                split: int) -> torch.Tensor:
     """The fused kernel with an explicit configuration: Y[N, m] for x2 [N, k] (bf16, contiguous)."""
     _need()
-    _check(x2, bitmaps, base, offsets, sm, fb, m, k)
+    _check(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
     with torch.cuda.device(x2.device):
         return _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split)
 
@@ -205,32 +221,30 @@ def _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split):
     kt = -(-k // spec.TILE)
     parts = _cuda.splitk_parts(kt, max(1, min(split, kt)))
     y = torch.empty((n, m), dtype=torch.bfloat16, device=x2.device)
-    ws_ptr = 0
-    if parts > 1:
-        ws_ptr = _workspace(x2.device, "splitk", parts * n * m, torch.float32).data_ptr()
-    if bias is not None:
-        if bias.dtype != torch.bfloat16 or bias.shape != (m,) or not bias.is_contiguous():
-            raise ValueError(f"zipserv CUDA: bias must be a contiguous bfloat16 [{m}], got {bias.dtype} {list(bias.shape)}")
+    ws = _scratch(x2.device, parts * n * m, torch.float32) if parts > 1 else None
+    ws_ptr = 0 if ws is None else ws.data_ptr()
     xp = x2.data_ptr()
     x_vec = int(k % 8 == 0 and xp % 16 == 0)
     _cuda.zipgemm(xp, _ptr16(bitmaps, "bitmaps"), base.data_ptr(), offsets.data_ptr(),
                   _ptr16(sm, "sm") if sm.numel() else sm.data_ptr(), _ptr16(fb, "fb") if fb.numel() else fb.data_ptr(),
                   0 if bias is None else bias.data_ptr(), y.data_ptr(), ws_ptr, m, k, n, tile_n, parts, x_vec,
                   _stream(x2.device))
+    if ws is not None:
+        ws.record_stream(torch.cuda.current_stream(x2.device))  # freed only after the kernel that uses it
     return y
 
 
 def decoupled_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int, bias) -> torch.Tensor:
-    """Decompress into the per-device weight workspace, then cuBLAS (F.linear)."""
+    """Decompress into a BF16 copy of the weight (per-call scratch), then cuBLAS (F.linear)."""
     _need()
-    _check(x2, bitmaps, base, offsets, sm, fb, m, k)
+    _check(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
     with torch.cuda.device(x2.device):
+        prepare(x2.device)
         return _decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias)
 
 
 def _decoupled_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias):
-    buf = _workspace(x2.device, "weight", m * k, torch.bfloat16)
-    w = buf[: m * k].view(m, k)
+    w = _scratch(x2.device, m * k, torch.bfloat16).view(m, k)
     _decompress_into(w.view(torch.int16), bitmaps, base, offsets, sm, fb, m, k)
     return F.linear(x2, w, bias)
 
@@ -242,6 +256,8 @@ def gemm_cuda(x, bitmaps, base, offsets, sm, fb, m: int, k: int, bias, mode: str
     _check(x, bitmaps, base, offsets, sm, fb, m, k)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    if bias is not None:
+        _check(None, bitmaps, base, offsets, sm, fb, m, k, bias)
     prepare(x.device)
     with torch.cuda.device(x.device):
         if mode == "exact":
@@ -319,6 +335,38 @@ def compress_tensor_cuda(w: torch.Tensor, max_scratch_bytes: int = 512 << 20):
     return CompressedTensor((m, k), cat(bm_parts), cat(base_parts), cat(off_parts), cat(sm_parts), cat(fb_parts))
 
 
+def embedding_cuda(ids, bitmaps, base, offsets, sm, fb, m: int, k: int, rows: int) -> torch.Tensor:
+    """Rows ``ids`` of the compressed table (``rows - m`` zero padding rows; ids clamped to
+    [0, rows)): the gather kernel, no host synchronisation, no allocation but the output."""
+    _need()
+    embedding._check_ids(ids, m, rows)
+    _check(None, bitmaps, base, offsets, sm, fb, m, k)
+    if ids.device != sm.device:
+        raise ValueError(f"zipserv CUDA: ids are on {ids.device}, the table on {sm.device}")
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    with torch.cuda.device(sm.device):
+        prepare(sm.device)
+        out = torch.empty((flat.numel(), k), dtype=torch.bfloat16, device=sm.device)
+        _cuda.embedding_gather(flat.data_ptr(), int(flat.dtype == torch.int64), flat.numel(), bitmaps.data_ptr(),
+                               base.data_ptr(), offsets.data_ptr(), sm.data_ptr(), fb.data_ptr(), out.data_ptr(),
+                               m, k, rows, _stream(sm.device))
+    return out.view(*ids.shape, k)
+
+
 # ---------------------------------------------------------- registration
-ops.gemm.register_kernel("cuda")(gemm_cuda)
-ops.decompress.register_kernel("cuda")(decompress_cuda)
+def _register() -> bool:
+    """Register the CUDA kernels on the ops; only when the extension is built."""
+    if _cuda is None:
+        if torch.cuda.is_available():
+            warnings.warn(f"zipserv: {_REASON}; CUDA tensors take the slow composite path (decoded on the CPU)",
+                          stacklevel=2)
+        return False
+    ops.gemm.register_kernel("cuda")(gemm_cuda)
+    ops.decompress.register_kernel("cuda")(decompress_cuda)
+    embedding.embedding.register_kernel("cuda")(embedding_cuda)
+    return True
+
+
+REGISTERED = _register()

@@ -39,7 +39,9 @@ def decompress(bitmaps: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor,
                sm: torch.Tensor, fb: torch.Tensor, m: int, k: int) -> torch.Tensor:
     from ..codec import decompress_tensor
 
-    return decompress_tensor(_ct(bitmaps, base, offsets, sm, fb, m, k))
+    # The composite path (also CUDA tensors when zipserv_vllm._cuda is not built): decode on the
+    # CPU, return on the arrays' device.
+    return decompress_tensor(_ct(bitmaps, base, offsets, sm, fb, m, k)).to(sm.device)
 
 
 @decompress.register_fake

@@ -108,8 +108,16 @@ class LayerState:
         return sum(t.nbytes for t in self.tables)
 
     def bind(self) -> None:
-        """(Re)build the part tensors as views of the arena (after a trim, too)."""
+        """(Re)build the part tensors as views of the arena (after a trim, too). On a GPU each
+        part's offsets are validated once here, on the host, so that the kernels may read
+        through them inside CUDA-graph capture (kernels/cuda.py)."""
         self.parts = [_part_from_table(self.arena, t, s) for t, s in zip(self.tables, self.part_shapes)]
+        for p in self.parts:
+            if isinstance(p, CompressedTensor) and p.sm.is_cuda:
+                from ..kernels import cuda
+
+                if cuda.REGISTERED:
+                    cuda.validate_weight(p.bitmaps, p.base, p.offsets, p.sm, p.fb, *p.shape)
 
     def source(self) -> "LayerState":
         return self.tied_to.source() if self.tied_to is not None else self

@@ -1,0 +1,51 @@
+"""The CUDA kernels are registered on the ops only when zipserv_vllm._cuda is built.
+
+Without the extension, registering them made every CUDA tensor raise instead of
+taking the ops' composite implementation. Checked in fresh interpreters, with
+the extension importable and with it made unimportable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+PROBE = (
+    "import sys\n"
+    "{hide}"
+    "import torch, zipserv_vllm.kernels as k\n"
+    "has = lambda op: torch._C._dispatch_has_kernel_for_dispatch_key(op, 'CUDA')\n"
+    "print(k.cuda.REGISTERED, has('zipserv::gemm'), has('zipserv::decompress'), has('zipserv::embedding'))\n"
+)
+
+
+def _probe(hide: bool) -> str:
+    code = PROBE.format(hide="sys.modules['zipserv_vllm._cuda'] = None\n" if hide else "")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_not_registered_without_the_extension():
+    assert _probe(hide=True) == "False False False False"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("zipserv_vllm._cuda") is None,
+                    reason="zipserv_vllm._cuda is not built here (no nvcc)")
+def test_registered_with_the_extension():
+    assert _probe(hide=False) == "True True True True"
+
+
+def test_composite_decompress_returns_on_the_arrays_device():
+    import torch
+
+    import zipserv_vllm
+    from zipserv_vllm.kernels import ops
+
+    w = (torch.randn(70, 130) * 0.02).to(torch.bfloat16)
+    ct = zipserv_vllm.compress_tensor(w)
+    out = ops.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 70, 130)
+    assert out.device == ct.sm.device and torch.equal(out.view(torch.int16), w.view(torch.int16))
