@@ -143,8 +143,6 @@ def main(argv=None) -> int:
     t_start = time.time()
     for model in models:
         layers = shapes_mod.MODELS[model]
-        max_m = max(m for m, _ in layers.values())
-        max_k = max(k for _, k in layers.values())
         cuda_ops.prepare(dev)
         for layer, (m, k) in layers.items():
             w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
@@ -154,9 +152,11 @@ def main(argv=None) -> int:
             cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
             for n in ns:
                 x = torch.randn(n, k, device=dev).to(torch.bfloat16)
-                plan = dispatch.choose(n, m, k, sms, table)
+                gpu = dispatch.gpu_model(name, cc, sms)
+                plan = dispatch.choose(n, m, k, sms, table, gpu)
                 tn = dispatch.tile_n_for(n)
-                fused_split = dispatch.heuristic_split(m, k, n, tn, sms, table)
+                fused = [p for p in dispatch.candidates(n, m, k, table) if p.path == "fused"]
+                fused_split = min(fused, key=lambda p: dispatch.estimate(p, n, m, k, gpu, table)).split
                 methods = {
                     "cublas": [lambda w=w_: F.linear(x, w) for w_ in ws],
                     "decoupled": [lambda c=c_: cuda_ops.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)

@@ -4,9 +4,8 @@ For each layer shape (default: Llama-3-8B and Qwen2.5-7B layers, see
 tests/gpu/shapes.py) and each N in --ns, times the fused kernel for every
 split in --splits (capped by Kt) and the decoupled path (decompress +
 cuBLAS), rotating weight copies as bench_zipgemm.py does. The fastest choice
-per (shape, N) becomes a shape rule; ``fused_max_n`` (used for shapes not in
-the table) is the largest measured N at which the fused kernel wins on at
-least half of the shapes. The table is written to
+per (shape, N) becomes a shape rule (shapes not in the table get the cost
+model's plan, zipserv_vllm/kernels/dispatch.py). The table is written to
 configs/dispatch/<gpu-name>.json (zipserv_vllm.kernels.dispatch looks it up by
 name) unless --out says otherwise, with every measurement kept under
 "measured". Needs a CUDA device; exits with status 2 otherwise.
@@ -88,18 +87,18 @@ def main(argv=None) -> int:
         del cts, ct
         torch.cuda.empty_cache()
 
-    fused_max_n = max([n for n in ns if wins_by_n[n] * 2 >= len(shapes)], default=0)
+    fused_wins = max([n for n in ns if wins_by_n[n] * 2 >= len(shapes)], default=0)
     table = dict(dispatch.BUILTIN)
     table.update({
         "gpu": name, "compute_capability": f"{cc[0]}.{cc[1]}", "sm_count": sms,
         "source": f"benchmarks/tune_dispatch.py on {name}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "fused_max_n": fused_max_n, "shapes": rules_out, "measured": measured,
+        "shapes": rules_out, "measured": measured,
     })
     dispatch.validate_table(table)
     out = Path(args.out) if args.out else ROOT / "configs" / "dispatch" / f"{dispatch.table_key(name)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
-    print(f"fused_max_n = {fused_max_n}; wrote {out}")
+    print(f"the fused kernel won on at least half of the shapes up to N = {fused_wins}; wrote {out}")
     return 0
 
 

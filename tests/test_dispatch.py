@@ -16,29 +16,53 @@ def test_tile_n_buckets_follow_the_paper_ranges():
         dispatch.tile_n_for(0)
 
 
-def test_large_n_goes_decoupled_small_n_fused():
-    for n in (1, 2, 3, 8, 16, 17, 32, 64, 128):
-        p = dispatch.choose(n, 4096, 4096, 132)
-        assert p.path == "fused" and p.tile_n == dispatch.tile_n_for(n)
-    for n in (129, 256, 1024, 8192):
-        assert dispatch.choose(n, 4096, 4096, 132) == Plan("decoupled")
+H200 = dispatch.gpu_model("NVIDIA H200", (9, 0), 132)
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+
+
+def test_cost_model_sends_decode_sized_batches_to_the_fused_kernel():
+    """Memory-bound calls (N up to a few hundred) stay on the fused kernel, which moves
+    ~11.3 bits per weight; only compute-bound ones go decoupled (~43 bits)."""
+    for name, (m, k) in LLAMA3_8B.items():
+        for n in (1, 8, 16, 32, 33, 64):
+            p = dispatch.choose(n, m, k, 132, gpu=H200)
+            assert p.path == "fused" and p.tile_n == dispatch.tile_n_for(n), (name, n, p)
+        assert dispatch.choose(8192, m, k, 132, gpu=H200).path == "decoupled", name
+
+
+def test_cost_model_counts_the_partials_traffic():
+    """The review's example: 6144x4096 at N = 128. The split's fp32 partials (written and read back)
+    are part of the estimate, so more split is chosen only while it pays."""
+    m, k, n = 6144, 4096, 128
+    plans = [p for p in dispatch.candidates(n, m, k) if p.path == "fused"]
+    est = {p.split: dispatch.estimate(p, n, m, k, H200) for p in plans}
+    chosen = dispatch.choose(n, m, k, 132, gpu=H200)
+    assert est[chosen.split] == min(est.values())
+    # with the GPU already full (the lm_head), more split only adds partials: it costs more, and is not chosen
+    m = 128256
+    no_l2 = dispatch.Gpu("no-l2", H200.hbm_gb_s, H200.bf16_tflops, 132, 0.001)
+    e1, e2, e4 = (dispatch.estimate(dispatch.Plan("fused", 128, s), n, m, k, no_l2) for s in (1, 2, 4))
+    assert e1 < e2 < e4
+    assert dispatch.choose(n, m, k, 132, gpu=no_l2).split == 1
+
+
+def test_cost_model_never_picks_a_plan_it_estimates_slower():
+    for (m, k) in LLAMA3_8B.values():
+        for n in (1, 3, 17, 100, 129, 300, 2048):
+            chosen = dispatch.choose(n, m, k, 132, gpu=H200)
+            best = min(dispatch.estimate(p, n, m, k, H200) for p in dispatch.candidates(n, m, k))
+            assert dispatch.estimate(chosen, n, m, k, H200) == best
 
 
 def test_split_k_fills_the_gpu_only_when_m_cannot():
-    t2 = dict(dispatch.BUILTIN, blocks_per_sm=2)
-    # 4096 rows = 64 tile rows < 2 * 132 blocks: split until 264 blocks
-    p = dispatch.choose(1, 4096, 4096, 132, t2)
-    assert p.split == 5 and 64 * p.split >= 264
-    # 28672 rows = 448 blocks already fill 132 SMs twice: no split ...
-    assert dispatch.choose(8, 28672, 4096, 132, t2).split == 1
-    # ... but not four times (the built-in default): split 2
-    assert dispatch.BUILTIN["blocks_per_sm"] == 4
-    assert dispatch.choose(8, 28672, 4096, 132).split == 2
-    # max_split caps it
-    assert dispatch.choose(1, 64, 4096, 132).split == 16
-    # a small K cannot be split below min_k_tiles_per_split tiles per part
-    assert dispatch.choose(1, 64, 128, 132).split == 1
-    assert dispatch.choose(1, 64, 256, 132).split == 2
+    # 4096 rows = 64 tile rows: far from filling 132 SMs x 4 blocks, so split
+    assert dispatch.choose(1, 4096, 4096, 132, gpu=H200).split > 1
+    # the lm_head's 2004 tile rows fill the GPU alone
+    assert dispatch.choose(1, 128256, 4096, 132, gpu=H200).split == 1
+    # max_split caps it, and a small K cannot be split below min_k_tiles_per_split tiles per part
+    assert dispatch.choose(1, 64, 4096, 132, gpu=H200).split <= 16
+    assert dispatch.choose(1, 64, 128, 132, gpu=H200).split == 1
     # the split is always the kernel's non-empty part count
     for k in (64, 320, 4160, 14336):
         for sms in (1, 46, 132, 170):
@@ -47,35 +71,41 @@ def test_split_k_fills_the_gpu_only_when_m_cannot():
             assert p.split == dispatch.splitk_parts(kt, p.split) and p.split <= kt
 
 
-def test_shape_rules_override_thresholds():
-    table = dict(dispatch.BUILTIN, fused_max_n=16, shapes=[
+def test_measured_plans_come_first_then_tables_then_the_model():
+    table = dict(dispatch.BUILTIN, shapes=[
         {"m": 1024, "k": 4096, "rules": [{"n_max": 4, "path": "fused", "split": 8},
                                          {"n_max": 64, "path": "fused", "split": 0},
                                          {"n_max": 100000, "path": "decoupled"}]}])
     assert dispatch.choose(3, 1024, 4096, 132, table) == Plan("fused", 8, 8)
     p = dispatch.choose(40, 1024, 4096, 132, table)
-    assert p.path == "fused" and p.tile_n == 64  # split 0 = heuristic
+    assert p.path == "fused" and p.tile_n == 64  # split 0 = the cost model's
     assert dispatch.choose(65, 1024, 4096, 132, table) == Plan("decoupled")
-    # other shapes use the table thresholds
-    assert dispatch.choose(17, 2048, 4096, 132, table) == Plan("decoupled")
-    assert dispatch.max_fused_n(table) == 64
     # an explicit split is capped by max_split and by Kt
     table["shapes"][0]["rules"][0]["split"] = 1000
     assert dispatch.choose(3, 1024, 4096, 132, table).split == 16
+    # measured plans override both
+    try:
+        dispatch.set_measured({(1024, 4096): [(4, Plan("decoupled")), (10**9, Plan("fused", 8, 2))]})
+        assert dispatch.choose(3, 1024, 4096, 132, table) == Plan("decoupled")
+        assert dispatch.choose(40, 1024, 4096, 132, table) == Plan("fused", 64, 2)  # tile_n follows N
+        assert dispatch.choose(40, 2048, 4096, 132, table) == dispatch.cost_model_plan(40, 2048, 4096,
+                                                                                         dispatch.gpu_model(sms=132))
+    finally:
+        dispatch.set_measured({})
 
 
 def test_table_lookup_by_name_then_capability_then_default(tmp_path, monkeypatch):
-    (tmp_path / "nvidia-test-gpu.json").write_text(json.dumps({"fused_max_n": 7}))
-    (tmp_path / "sm75.json").write_text(json.dumps({"fused_max_n": 5}))
+    (tmp_path / "nvidia-test-gpu.json").write_text(json.dumps({"max_split": 7}))
+    (tmp_path / "sm75.json").write_text(json.dumps({"max_split": 5}))
     monkeypatch.setenv(dispatch.TABLE_DIR_ENV, str(tmp_path))
     dispatch.load_table.cache_clear()
     try:
         assert dispatch.table_key("NVIDIA Test-GPU") == "nvidia-test-gpu"
-        assert dispatch.load_table("NVIDIA Test-GPU", (9, 0))["fused_max_n"] == 7
-        assert dispatch.load_table("Other", (7, 5))["fused_max_n"] == 5
+        assert dispatch.load_table("NVIDIA Test-GPU", (9, 0))["max_split"] == 7
+        assert dispatch.load_table("Other", (7, 5))["max_split"] == 5
         assert dispatch.load_table("NVIDIA H200", (9, 0))["_file"].endswith("sm90.json")  # shipped table
         unknown = dispatch.load_table("Other", (12, 0))
-        assert unknown["_file"].endswith("default.json") and unknown["fused_max_n"] == 128
+        assert unknown["_file"].endswith("default.json") and unknown["max_split"] == 16
         (tmp_path / "sm70.json").write_text(json.dumps({"shapes": [{"m": 1}]}))
         with pytest.raises(ValueError, match="need m, k and rules"):
             dispatch.load_table("Other", (7, 0))
@@ -86,7 +116,7 @@ def test_table_lookup_by_name_then_capability_then_default(tmp_path, monkeypatch
 def test_shipped_tables_are_valid():
     for p in dispatch.table_dirs()[-1].glob("*.json"):
         t = dispatch.validate_table(dict(dispatch.BUILTIN, **json.loads(p.read_text())), str(p))
-        assert "source" in t and t["fused_max_n"] >= 1
+        assert "source" in t and t["max_split"] >= 1 and "fused_max_n" not in t
 
 
 def test_bad_arguments_name_the_value():

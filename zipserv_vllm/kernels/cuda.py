@@ -103,7 +103,7 @@ def device_info(device) -> tuple[str, tuple[int, int], int]:
 def plan(n: int, m: int, k: int, device) -> dispatch.Plan:
     """The dispatcher's choice for this call on this device."""
     name, cc, sms = device_info(device)
-    return dispatch.choose(n, m, k, sms, dispatch.load_table(name, cc))
+    return dispatch.choose(n, m, k, sms, dispatch.load_table(name, cc), dispatch.gpu_model(name, cc, sms))
 
 
 # ------------------------------------------------------------- workspaces

@@ -1,33 +1,55 @@
-"""Which CUDA path serves one ``zipserv::gemm`` call: fused ZipGEMM or decoupled.
+"""Which CUDA path serves one ``zipserv::gemm`` call: fused ZipGEMM (tile_n, split-K) or decoupled.
 
 The choice is made per call from the token count N and the layer shape
 (M, K), never from the phase: chunked prefill mixes decode and prefill
-tokens in one batch. A *table* (JSON in ``configs/dispatch/``) holds the
-per-GPU thresholds; ``benchmarks/tune_dispatch.py`` measures and writes one
-on a real GPU. Tables are looked up by GPU name (``nvidia-h200.json``), then
-compute capability (``sm90.json``), then ``default.json``, then the built-in
-defaults below, so an unknown GPU always gets a plan.
+tokens in one batch. In order of precedence:
 
-Table format::
+1. **measured**: timings of this GPU (``kernels/autotune.py``, run at engine
+   start and cached on disk), installed with :func:`set_measured`;
+2. **tabled**: measured rules for exact shapes in a per-GPU table (JSON in
+   ``configs/dispatch/``, written by ``benchmarks/tune_dispatch.py``);
+3. **the cost model** (:func:`estimate`), wherever nothing was measured.
+
+The cost model, and the assumptions it rests on (none of it measured: no GPU
+has run this code yet; the autotuner exists to replace it):
+
+* time of a kernel = max(memory time, compute time) + 2 us of launch overhead;
+* memory time = bytes moved / (HBM bandwidth x efficiency x fill), where
+  fill = min(1, blocks / (SMs x blocks_per_sm)) models the bytes in flight a
+  memory-bound kernel needs (a grid smaller than the GPU's slots gets that
+  share of the bandwidth), and efficiency is 0.75 for the fused kernel, 0.8 for
+  decompress, 0.85 for cuBLAS;
+* bytes: the compressed weight (``bits_per_weight`` / 8 per weight, 11.3 by
+  default) once per column pass (ceil(N / 128) passes above 128 tokens), X and
+  Y once; split-K adds its fp32 partials, written and read back (L2-resident
+  when they fit in the L2, counted at 3x the HBM bandwidth, else HBM); the
+  decoupled path moves the compressed weight, writes the BF16 copy and cuBLAS
+  reads it back;
+* compute: 2 N M K flops at 50 % of the BF16 tensor peak for the fused kernel
+  (decode competes for issue slots), 70 % for cuBLAS; and the fused decode
+  itself at 12 weights per cycle per SM (about 20 instructions per lane pair
+  of a 64-weight FT, 4 warps issuing per cycle) per column pass.
+
+Table format (every key optional)::
 
     {
       "gpu": "...", "source": "how the numbers were obtained",
-      "fused_max_n": 128,          # N above this -> decoupled (decompress + cuBLAS)
-      "blocks_per_sm": 4,          # split-K aims at sm_count * blocks_per_sm blocks
+      "blocks_per_sm": 4,          # resident blocks per SM the grid aims at
       "max_split": 16, "min_k_tiles_per_split": 2,
-      "shapes": [                  # optional measured rules for exact (M, K)
+      "shapes": [                  # measured rules for exact (M, K)
         {"m": 4096, "k": 4096, "rules": [{"n_max": 16, "path": "fused", "split": 4}, ...]}
       ]
     }
 
 A shape rule list is searched in order for the first ``n_max >= N``; a
-``split`` of 0 means "use the heuristic". No torch import: the logic is
+``split`` of 0 means "the cost model's split". No torch import: the logic is
 testable on any machine.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -36,11 +58,12 @@ from pathlib import Path
 
 TILE = 64
 TILE_NS = (8, 16, 32, 64, 128)  # columns per block of the fused kernel instances
+LAUNCH_S = 2e-6
+BITS_PER_WEIGHT = 11.3
 
 BUILTIN = {
     "gpu": "unknown",
-    "source": "built-in default (paper: fused for decode-sized N <= 128, untuned)",
-    "fused_max_n": 128,
+    "source": "built-in kernel parameters (the cost model decides paths)",
     "blocks_per_sm": 4,
     "max_split": 16,
     "min_k_tiles_per_split": 2,
@@ -67,6 +90,38 @@ class Plan:
             raise ValueError(f"split must be >= 1, got {self.split}")
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """What the cost model knows of a GPU (published figures, not measurements)."""
+
+    name: str
+    hbm_gb_s: float
+    bf16_tflops: float  # dense tensor-core peak
+    sms: int
+    l2_mb: float
+    clock_ghz: float = 1.7
+
+
+# By compute capability (the datasheet figures of each family's common part).
+GPUS = {
+    (8, 0): Gpu("A100", 2039, 312, 108, 40, 1.41),
+    (8, 6): Gpu("A10 / RTX 3090", 600, 125, 72, 6, 1.7),
+    (8, 9): Gpu("L40S / RTX 4090", 864, 362, 142, 96, 2.5),
+    (9, 0): Gpu("H100 SXM / H200", 3350, 989, 132, 50, 1.98),
+    (10, 0): Gpu("B200", 8000, 2250, 148, 126, 1.9),
+    (12, 0): Gpu("RTX 5090", 1792, 209, 170, 96, 2.4),
+}
+GPUS_BY_NAME = {"nvidia-h200": Gpu("H200", 4800, 989, 132, 50, 1.98)}
+GENERIC = Gpu("unknown", 1500, 300, 100, 40, 1.5)
+
+
+def gpu_model(name: str = "", capability: tuple[int, int] | None = None, sms: int | None = None) -> Gpu:
+    g = GPUS_BY_NAME.get(table_key(name)) or (GPUS.get(tuple(capability)) if capability else None) or GENERIC
+    if sms and sms != g.sms:
+        g = Gpu(g.name, g.hbm_gb_s, g.bf16_tflops * sms / g.sms, sms, g.l2_mb, g.clock_ghz)
+    return g
+
+
 def tile_n_for(n: int) -> int:
     """Columns per block: N <= 8 -> 8 (paper's N8 mode); 9..128 -> the smallest
     instance covering N; > 128 -> 128 with a grid over column tiles."""
@@ -84,25 +139,91 @@ def splitk_parts(kt: int, split: int) -> int:
     return -(-kt // per)
 
 
-def heuristic_split(m: int, k: int, n: int, tile_n: int, sm_count: int, table: dict) -> int:
-    """Smallest split that fills sm_count * blocks_per_sm blocks, bounded by the table."""
+def max_split(k: int, table: dict) -> int:
     kt = -(-k // TILE)
-    blocks = -(-n // tile_n) * -(-m // TILE)
-    target = sm_count * int(table.get("blocks_per_sm", 2))
-    if blocks >= target:
-        return 1
-    split = -(-target // blocks)
-    cap = max(1, min(int(table.get("max_split", 16)), kt // max(1, int(table.get("min_k_tiles_per_split", 2)))))
-    return splitk_parts(kt, max(1, min(split, cap)))
+    return max(1, min(int(table.get("max_split", 16)), kt // max(1, int(table.get("min_k_tiles_per_split", 2)))))
 
 
-def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None) -> Plan:
+# -------------------------------------------------------------- cost model
+def _mem_s(nbytes: float, gpu: Gpu, eff: float, fill: float = 1.0) -> float:
+    return nbytes / (gpu.hbm_gb_s * 1e9 * eff * max(fill, 1e-3))
+
+
+def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = None,
+             bits_per_weight: float = BITS_PER_WEIGHT) -> float:
+    """Estimated seconds of one call by ``plan`` (see the module docstring for the assumptions)."""
+    table = BUILTIN if table is None else table
+    flops = 2.0 * n * m * k
+    xy = 2.0 * n * (k + m)
+    wc = bits_per_weight / 8 * m * k
+    if plan.path == "decoupled":
+        dec_blocks = -(-m // TILE) * -(-k // TILE)
+        t_dec = _mem_s(wc + 2.0 * m * k, gpu, 0.8, dec_blocks / (gpu.sms * 4)) + LAUNCH_S
+        t_mm = max(_mem_s(2.0 * m * k + xy, gpu, 0.85), flops / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
+        return t_dec + t_mm
+    passes = -(-n // TILE_NS[-1]) if n > TILE_NS[-1] else 1
+    blocks = -(-n // plan.tile_n) * -(-m // TILE) * plan.split
+    fill = min(1.0, blocks / (gpu.sms * int(table.get("blocks_per_sm", 4))))
+    t = _mem_s(passes * wc + xy, gpu, 0.75, fill)
+    if plan.split > 1:
+        partial = 2.0 * plan.split * n * m * 4
+        fast = partial / 2 <= gpu.l2_mb * 1e6
+        t += _mem_s(partial, gpu, 0.75 * (3.0 if fast else 1.0)) + LAUNCH_S  # + the reduction kernel
+    t_decode = passes * m * k / (gpu.sms * 12 * gpu.clock_ghz * 1e9 * min(1.0, blocks / gpu.sms))
+    t_mma = flops / (gpu.bf16_tflops * 1e12 * 0.5)
+    return max(t, t_decode, t_mma) + LAUNCH_S
+
+
+def estimate_bf16(n: int, m: int, k: int, gpu: Gpu) -> float:
+    """Estimated seconds of the same GEMM on a BF16 weight (what plain vLLM runs)."""
+    return max(_mem_s(2.0 * m * k + 2.0 * n * (k + m), gpu, 0.85),
+               2.0 * n * m * k / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
+
+
+def candidates(n: int, m: int, k: int, table: dict | None = None) -> list[Plan]:
+    """The plans worth timing or estimating for one call: the fused kernel with each sensible
+    split, and the decoupled path."""
+    table = BUILTIN if table is None else table
+    kt = -(-k // TILE)
+    cap = max_split(k, table)
+    splits = sorted({splitk_parts(kt, s) for s in (1, 2, 3, 4, 6, 8, 12, 16) if s <= cap})
+    tn = tile_n_for(n)
+    return [Plan("fused", tn, s) for s in splits] + [Plan("decoupled")]
+
+
+def cost_model_plan(n: int, m: int, k: int, gpu: Gpu, table: dict | None = None) -> Plan:
+    """The plan the cost model estimates fastest."""
+    return min(candidates(n, m, k, table), key=lambda p: (estimate(p, n, m, k, gpu, table), p.split))
+
+
+# ---------------------------------------------------------------- measured
+_MEASURED: dict[tuple[int, int], list[tuple[int, Plan]]] = {}  # (m, k) -> [(n_max, plan)] ascending
+
+
+def set_measured(rules: dict[tuple[int, int], list[tuple[int, Plan]]]) -> None:
+    """Install measured plans ((M, K) -> [(n_max, plan)], n_max ascending); replaces earlier ones."""
+    _MEASURED.clear()
+    _MEASURED.update({k: sorted(v, key=lambda r: r[0]) for k, v in rules.items()})
+
+
+def measured_plan(n: int, m: int, k: int) -> Plan | None:
+    for n_max, plan in _MEASURED.get((m, k), ()):
+        if n <= n_max:
+            return plan
+    return None
+
+
+def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None, gpu: Gpu | None = None) -> Plan:
     """The plan for Y[n, m] = X[n, k] . W[m, k]^T on a GPU with ``sm_count`` SMs."""
     if min(n, m, k) < 1:
         raise ValueError(f"N, M, K must be >= 1, got N={n}, M={m}, K={k}")
     if sm_count < 1:
         raise ValueError(f"sm_count must be >= 1, got {sm_count}")
     table = BUILTIN if table is None else table
+    gpu = gpu_model(sms=sm_count) if gpu is None else gpu
+    plan = measured_plan(n, m, k)
+    if plan is not None:
+        return plan if plan.path == "decoupled" else Plan("fused", tile_n_for(n), plan.split)
     kt = -(-k // TILE)
     for shape in table.get("shapes", ()):
         if int(shape["m"]) == m and int(shape["k"]) == k:
@@ -110,28 +231,13 @@ def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None) -> 
                 if n <= int(rule["n_max"]):
                     if rule["path"] == "decoupled":
                         return Plan("decoupled")
-                    tn = tile_n_for(n)
                     split = int(rule.get("split", 0))
                     if split > 0:
-                        split = splitk_parts(kt, min(split, kt, int(table.get("max_split", 16))))
-                    else:
-                        split = heuristic_split(m, k, n, tn, sm_count, table)
-                    return Plan("fused", tn, split)
+                        return Plan("fused", tile_n_for(n), splitk_parts(kt, min(split, kt, max_split(k, table))))
+                    fused = [p for p in candidates(n, m, k, table) if p.path == "fused"]
+                    return min(fused, key=lambda p: (estimate(p, n, m, k, gpu, table), p.split))
             break
-    if n > int(table.get("fused_max_n", 128)):
-        return Plan("decoupled")
-    tn = tile_n_for(n)
-    return Plan("fused", tn, heuristic_split(m, k, n, tn, sm_count, table))
-
-
-def max_fused_n(table: dict) -> int:
-    """Largest N any rule of the table sends to the fused kernel (sizes the split-K workspace)."""
-    n = int(table.get("fused_max_n", 128))
-    for shape in table.get("shapes", ()):
-        for rule in shape["rules"]:
-            if rule["path"] == "fused":
-                n = max(n, int(rule["n_max"]))
-    return n
+    return cost_model_plan(n, m, k, gpu, table)
 
 
 # ------------------------------------------------------------------ tables
@@ -149,7 +255,7 @@ def table_key(gpu_name: str) -> str:
 
 
 def validate_table(table: dict, where: str = "table") -> dict:
-    for key in ("fused_max_n", "blocks_per_sm", "max_split", "min_k_tiles_per_split"):
+    for key in ("blocks_per_sm", "max_split", "min_k_tiles_per_split"):
         if key in table and (not isinstance(table[key], int) or table[key] < 0):
             raise ValueError(f"{where}: {key} must be a non-negative integer, got {table[key]!r}")
     for shape in table.get("shapes", ()):
