@@ -211,7 +211,6 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         from zipserv_vllm.kernels import cuda as cuda_ops
 
-        shapes = [tuple(ct.shape) for ct in zs.w.values()]
         cuda_ops.prepare(device)
     build_s = time.time() - t0
 

@@ -161,3 +161,31 @@ def test_sleep_mode_is_refused_by_vllm_on_cpu(dirs):
     for model in (dirs["bf16"], dirs["zs"]):
         with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
             _engine(model, enable_sleep_mode=True)
+
+
+def test_prefer_speed_keeps_slower_layers_bf16(dirs, tmp_path, monkeypatch):
+    """The measuring dispatcher's policy, end to end with injected timings (no GPU here): with
+    ZIPSERV_PREFER=speed a layer that no compressed plan makes as fast as BF16 (here the MLP's
+    down projection, 256 x 688) is decoded once and kept BF16; the answers stay BF16's."""
+    import json
+
+    from zs_e2e import run_engine
+
+    timings = tmp_path / "timings.json"
+    timings.write_text(json.dumps({"256x688": {"*": {"bf16": 1.0, "*": 1.5}},
+                                   "*": {"*": {"bf16": 1.0, "*": 0.5}}}))
+    monkeypatch.setenv("ZIPSERV_AUTOTUNE_TIMINGS", str(timings))
+    base = run_engine(dirs["bf16"], chat=False)
+    memory = run_engine(dirs["zs"], chat=False)  # prefer=memory (default): everything stays compressed
+    assert memory["memory"]["layers_compressed"] == 10 and memory["memory"]["layers_bf16"] == 0
+    monkeypatch.setenv("ZIPSERV_PREFER", "speed")
+    speed = run_engine(dirs["zs"], chat=False)
+    assert speed["memory"]["layers_compressed"] == 8 and speed["memory"]["layers_bf16"] == 2
+    assert speed["memory"]["arena_bytes"] < memory["memory"]["arena_bytes"]  # never put in the arena
+    packed = run_engine(dirs["bf16"], chat=False, quantization="zipserv")  # pack at load: decided per layer
+    assert packed["memory"]["layers_compressed"] == 8 and packed["memory"]["layers_bf16"] == 2
+    for run in (memory, speed, packed):
+        assert run["tokens"] == base["tokens"] and run["logprobs"] == base["logprobs"]
+    monkeypatch.setenv("ZIPSERV_PREFER", "fastest")
+    with pytest.raises(Exception, match=r"ZIPSERV_PREFER is 'fastest'; expected one of memory, speed"):
+        run_engine(dirs["zs"], chat=False)

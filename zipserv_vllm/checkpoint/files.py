@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .names import CONFIG_FILE, INDEX_FILE
 from .reader import CheckpointError
 
 # What a Hub download leaves out: copies of the main weights in other formats (safetensors

@@ -49,7 +49,6 @@ testable on any machine.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass

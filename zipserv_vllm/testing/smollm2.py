@@ -24,16 +24,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..cache import cache_dir
+
 NAME = "SmolLM2-135M-Instruct-bf16"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class DemoModelError(RuntimeError):
     """The demo model cannot be built here (a package is missing); the message says which."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ZIPSERV_CACHE") or Path.home() / ".cache" / "zipserv-vllm")
 
 
 def gguf_path() -> Path:

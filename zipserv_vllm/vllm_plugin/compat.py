@@ -56,6 +56,7 @@ NEEDS: dict[str, Need] = {n.what: n for n in (
     Need("dispatch_cpu_unquantized_gemm", (("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm"),)),
     Need("dispatch_unquantized_gemm", (("vllm.model_executor.layers.utils", "dispatch_unquantized_gemm"),)),
     Need("current_platform", (("vllm.platforms", "current_platform"),)),
+    Need("get_current_vllm_config", (("vllm.config", "get_current_vllm_config"),), required=False),
     Need("init_logger", (("vllm.logger", "init_logger"),)),
     # The OpenAI server `vllm serve` runs (python -m zipserv_vllm.serve); looked up, not imported.
     Need("api_server_entry", (("vllm.entrypoints.launchers.api_server.entry", "main"),

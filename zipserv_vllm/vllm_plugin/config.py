@@ -92,7 +92,7 @@ class ZipServConfig(QuantizationConfig):
     """Lossless TCA-TBE compressed BF16 weights (pre-compressed or packed at load)."""
 
     def __init__(self, precompressed: bool = False, mode: str | None = None, format_version: int = spec.VERSION,
-                 extra: dict[str, Any] | None = None, verify: str | None = None):
+                 extra: dict[str, Any] | None = None, verify: str | None = None, prefer: str | None = None):
         super().__init__()
         try:
             check_vllm_version()
@@ -102,6 +102,9 @@ class ZipServConfig(QuantizationConfig):
                     f"(supported: {', '.join(map(str, spec.SUPPORTED_VERSIONS))})")
             self.mode = resolve_mode(mode)
             self.verify = resolve_verify(verify)
+            from ..kernels.autotune import prefer_policy
+
+            self.prefer = prefer_policy(prefer)
         except Exception as exc:
             raise errors.report(exc)
         self.precompressed = precompressed
@@ -162,9 +165,10 @@ class ZipServConfig(QuantizationConfig):
         except (TypeError, ValueError):
             raise errors.report(ValueError(
                 f"zipserv: quantization_config.format_version is {version!r}, not an integer")) from None
-        known = {"quant_method", "format_version", "mode", "verify"}
+        known = {"quant_method", "format_version", "mode", "verify", "prefer"}
         return cls(precompressed=True, mode=config.get("mode"), format_version=version,
-                   extra={k: v for k, v in config.items() if k not in known}, verify=config.get("verify"))
+                   extra={k: v for k, v in config.items() if k not in known}, verify=config.get("verify"),
+                   prefer=config.get("prefer"))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         """Preflight a local pre-compressed checkpoint (headers only, front-end)."""
@@ -220,7 +224,8 @@ class ZipServConfig(QuantizationConfig):
         if self._executed:
             return
         self._executed = True
-        loading.execute_precompressed([s for s in self._states if s.layer is not None], self.arena, self.verify)
+        loading.execute_precompressed([s for s in self._states if s.layer is not None], self.arena, self.verify,
+                                      self.speed_reason)
         self.finish_loading()
 
     def finish_loading(self) -> None:
@@ -238,9 +243,69 @@ class ZipServConfig(QuantizationConfig):
             arena.trim()
             for st in users:
                 st.bind()
+        self._autotune()
         if not self.precompressed or repacked:
             _release_freed_memory()
         self.log_summary()
+
+    # ------------------------------------------------------------ dispatcher
+    def _tuner(self):
+        """The measuring dispatcher of this engine (kernels/autotune.py), or None where it does not
+        run: on the CPU without injected timings, or with ZIPSERV_AUTOTUNE=0."""
+        if "_tuner_obj" in self.__dict__:
+            return self.__dict__["_tuner_obj"]
+        import os as _os
+
+        from ..kernels import autotune
+
+        tuner = None
+        timings = _os.environ.get("ZIPSERV_AUTOTUNE_TIMINGS")
+        if _os.environ.get("ZIPSERV_AUTOTUNE", "1") != "0":
+            max_n, decode_n = 8192, 256
+            get_cfg = compat.find("get_current_vllm_config", required=False)
+            try:
+                sched = get_cfg().scheduler_config if get_cfg is not None else None
+                if sched is not None:
+                    max_n, decode_n = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+            except Exception:  # no current config (a layer built outside an engine)
+                pass
+            if timings:
+                tuner = autotune.Tuner(autotune.injected_time_fn(timings), max_n, decode_n)
+            else:
+                import torch
+
+                if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+                    from .. import __version__
+                    from ..kernels import cuda
+
+                    dev = torch.device("cuda", torch.cuda.current_device())
+                    cache = autotune.cache_file(cuda.device_info(dev)[0], str(torch.version.cuda), __version__)
+                    tuner = autotune.Tuner(autotune.cuda_time_fn(dev), max_n, decode_n, cache)
+        self.__dict__["_tuner_obj"] = tuner
+        return tuner
+
+    def speed_reason(self, shapes) -> str | None:
+        """With prefer=speed: why a layer of these part shapes stays BF16 (None: compress it)."""
+        tuner = self._tuner()
+        if tuner is None or self.prefer != "speed":
+            return None
+        worst = tuner.slower(shapes)
+        if worst is None:
+            return None
+        ratio, n = worst
+        return f"prefer=speed: its fastest compressed plan takes {ratio:.2f}x the BF16 time at {n} tokens (measured)"
+
+    def _autotune(self) -> None:
+        """Measure every compressed shape not measured yet and install the fastest plans."""
+        tuner = self._tuner()
+        if tuner is None:
+            return
+        from ..kernels import dispatch
+
+        live = [s for s in self._states if s.layer is not None and s.tied_to is None and s.parts]
+        tuner.measure(sorted({tuple(p.shape) for s in live for p in s.parts}))
+        dispatch.set_measured(tuner.tuning.rules())
+        tuner.save()
 
     def _repack_cpu(self) -> int:
         """CPU fast mode: v1 layers -> the CPU byte-split layout (loading.repack_cpu)."""

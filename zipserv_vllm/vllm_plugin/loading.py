@@ -593,7 +593,7 @@ def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[Tile
 
 
 def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.device], PagedArena],
-                          verify: str = "tiles") -> None:
+                          verify: str = "tiles", keep_bf16_reason: Callable | None = None) -> None:
     """Plan every recorded layer, then allocate exact arena pages and copy the ranges; with
     ``verify`` "tiles" (or "full") every tile a rank loads is checked against its checksum."""
     planned: list[tuple[LayerState, list[TilePlan]]] = []
@@ -603,6 +603,13 @@ def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.devi
         result = plan_layer(st, verify)
         if isinstance(result, torch.Tensor):
             finish_bf16(st, result)
+            continue
+        reason = keep_bf16_reason([p.shape for p in result]) if keep_bf16_reason is not None else None
+        if reason:  # the measuring dispatcher's prefer=speed: decode now, never allocate it in the arena
+            logger.info("zipserv: %s kept BF16 (%s)", st.prefix, reason)
+            st.bf16_reason = reason
+            finish_bf16(st, _generic_local_weight(st, st.layer, _collect(st), "none"))
+            st.path = "bf16"
             continue
         planned.append((st, result))
     # Reserve everything, allocate each page once with exactly its bytes, then copy.

@@ -182,6 +182,10 @@ class _ZipServMethodBase:
             raise loading.ZipServLoadError(f"zipserv: no weights were loaded for {st.prefix}.weight "
                                            f"(the checkpoint has no tensor for this layer)")
         try:
+            reason = self.config.speed_reason([(st.rows, st.cols)])
+            if reason:  # the measuring dispatcher's prefer=speed
+                logger.info("zipserv: %s kept BF16 (%s)", st.prefix, reason)
+                raise ValueError(reason)
             loading.pack_layer(st, w.data, self.config.arena(w.device),
                                packed=loading.uses_packed(w.device, self.config.mode))
         except (TypeError, ValueError) as exc:

@@ -1,0 +1,256 @@
+"""The dispatcher that measures: time each layer shape's candidate plans on this GPU.
+
+At engine start on a GPU, after the weights are loaded and before vLLM
+captures its CUDA graphs, the plugin calls :func:`tune` for every distinct
+compressed matrix shape (M, K) and token-count bucket N (powers of two up to
+the scheduler's token budget): each candidate of ``dispatch.candidates``
+(the fused kernel with each sensible split-K, the decoupled path) and the
+same GEMM on a BF16 weight are timed, within a budget of about 10 s in all
+(what is not reached keeps the cost model's plan). The fastest plan per
+bucket becomes a measured rule (``dispatch.set_measured``), and the whole
+result is cached on disk, keyed by GPU name, driver and zipserv-vllm
+version, so the next start only reads it.
+
+Policy (``"prefer"`` in ``quantization_config`` or ``ZIPSERV_PREFER``):
+
+* ``memory`` (default): every layer stays compressed, on its fastest plan;
+* ``speed``: a layer none of whose compressed plans reaches BF16 speed at the
+  token counts that matter (buckets up to the scheduler's batch size) is
+  decoded once and kept BF16, so the model is never slower than BF16; one log
+  line per layer gives the measured ratio.
+
+The timing function is injected (``time_fn(plan | "bf16", n, m, k) ->
+seconds``), so all of this is tested on the CPU with made-up timings; on a
+GPU :func:`cuda_time_fn` times real kernels with CUDA events.
+``ZIPSERV_AUTOTUNE_TIMINGS=FILE`` injects timings from a JSON file (tests),
+``ZIPSERV_AUTOTUNE=0`` switches the measuring off. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import dispatch
+from .dispatch import Plan
+
+PREFER = ("memory", "speed")
+BUDGET_S = 10.0
+
+
+def prefer_policy(checkpoint_value: str | None = None) -> str:
+    v = (os.environ.get("ZIPSERV_PREFER") or checkpoint_value or PREFER[0]).strip().lower()
+    if v not in PREFER:
+        src = "ZIPSERV_PREFER" if os.environ.get("ZIPSERV_PREFER") else "quantization_config.prefer"
+        raise ValueError(f"zipserv: {src} is {v!r}; expected one of {', '.join(PREFER)}")
+    return v
+
+
+def buckets(max_n: int) -> list[int]:
+    """Token-count buckets 1, 2, 4, ... up to (and including) ``max_n``."""
+    out, n = [], 1
+    while n < max_n:
+        out.append(n)
+        n *= 2
+    return out + [max(1, max_n)]
+
+
+def plan_key(plan: Plan) -> str:
+    return "decoupled" if plan.path == "decoupled" else f"fused/split{plan.split}"
+
+
+def plan_from_key(key: str, n: int) -> Plan:
+    if key == "decoupled":
+        return Plan("decoupled")
+    return Plan("fused", dispatch.tile_n_for(n), int(key.split("split", 1)[1]))
+
+
+@dataclass
+class Tuning:
+    """Seconds per (M, K), N and plan key ("bf16": the same GEMM on a BF16 weight)."""
+
+    times: dict[tuple[int, int], dict[int, dict[str, float]]] = field(default_factory=dict)
+    complete: bool = True  # False when the budget ran out
+
+    def best(self, m: int, k: int, n: int) -> tuple[str, float] | None:
+        t = {p: s for p, s in self.times.get((m, k), {}).get(n, {}).items() if p != "bf16"}
+        return min(t.items(), key=lambda kv: kv[1]) if t else None
+
+    def ratio(self, m: int, k: int, n: int) -> float | None:
+        """Best compressed time / BF16 time (< 1: compressed is faster)."""
+        b = self.best(m, k, n)
+        bf = self.times.get((m, k), {}).get(n, {}).get("bf16")
+        return None if b is None or not bf else b[1] / bf
+
+    def rules(self) -> dict[tuple[int, int], list[tuple[int, Plan]]]:
+        """Measured rules for ``dispatch.set_measured``: each bucket covers N up to itself."""
+        out = {}
+        for (m, k), by_n in self.times.items():
+            rows = []
+            for n in sorted(by_n):
+                b = self.best(m, k, n)
+                if b is not None:
+                    rows.append((n, plan_from_key(b[0], n)))
+            if rows:
+                rows[-1] = (1 << 30, rows[-1][1])
+                out[(m, k)] = rows
+        return out
+
+    def to_json(self) -> dict:
+        return {"complete": self.complete,
+                "times": {f"{m}x{k}": {str(n): t for n, t in by_n.items()} for (m, k), by_n in self.times.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Tuning":
+        times = {}
+        for key, by_n in d.get("times", {}).items():
+            m, k = (int(x) for x in key.split("x"))
+            times[(m, k)] = {int(n): {p: float(s) for p, s in t.items()} for n, t in by_n.items()}
+        return cls(times, bool(d.get("complete", True)))
+
+
+def tune(shapes: Iterable[tuple[int, int]], max_n: int, time_fn: Callable[[Plan | str, int, int, int], float],
+         budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> Tuning:
+    """Time every candidate of every (shape, bucket), smallest N first, until the budget is spent."""
+    res = Tuning()
+    start = clock()
+    for n in buckets(max_n):  # small N first: the decode sizes matter most
+        for m, k in sorted(set(shapes)):
+            if clock() - start > budget_s:
+                res.complete = False
+                return res
+            row = res.times.setdefault((m, k), {}).setdefault(n, {})
+            row["bf16"] = float(time_fn("bf16", n, m, k))
+            for plan in dispatch.candidates(n, m, k):
+                row[plan_key(plan)] = float(time_fn(plan, n, m, k))
+    return res
+
+
+def slower_than_bf16(tuning: Tuning, m: int, k: int, n_max: int, tolerance: float = 0.0) -> tuple[float, int] | None:
+    """(worst ratio, its N) when no compressed plan reaches BF16 speed at some measured N <= n_max."""
+    worst = None
+    for n in sorted(tuning.times.get((m, k), {})):
+        if n > n_max:
+            break
+        r = tuning.ratio(m, k, n)
+        if r is not None and r > 1.0 + tolerance and (worst is None or r > worst[0]):
+            worst = (r, n)
+    return worst
+
+
+# ------------------------------------------------------------------- timings
+def injected_time_fn(path: str | os.PathLike) -> Callable[[Plan | str, int, int, int], float]:
+    """Timings from a JSON file: {"MxK": {"N": {"bf16": s, "fused/split2": s, "decoupled": s, ...}}},
+    where "*" stands for any shape, N or plan; anything the file does not give takes the cost
+    model's estimate."""
+    data = json.loads(Path(path).read_text())
+    gpu = dispatch.gpu_model()
+
+    def fn(plan, n, m, k):
+        key = plan if isinstance(plan, str) else plan_key(plan)
+        for shape in (f"{m}x{k}", "*"):
+            for nk in (str(n), "*"):
+                row = data.get(shape, {}).get(nk, {})
+                for pk in (key, "*") if key != "bf16" else (key,):
+                    if pk in row:
+                        return float(row[pk])
+        return dispatch.estimate_bf16(n, m, k, gpu) if key == "bf16" else dispatch.estimate(plan, n, m, k, gpu)
+
+    return fn
+
+
+def cuda_time_fn(device, reps: int = 5) -> Callable[[Plan | str, int, int, int], float]:  # pragma: no cover - GPU
+    """Real timings on ``device``: random weights of each shape, CUDA events, the median of ``reps``."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from . import cuda
+
+    weights: dict = {}
+
+    def fn(plan, n, m, k):
+        if (m, k) not in weights:
+            w = (torch.randn(m, k, device=device) * 0.02).to(torch.bfloat16)
+            weights[(m, k)] = (w, cuda.compress_tensor_cuda(w))
+        w, ct = weights[(m, k)]
+        x = torch.randn(n, k, device=device).to(torch.bfloat16)
+        args = (x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, None)
+        if plan == "bf16":
+            call = lambda: F.linear(x, w)  # noqa: E731
+        elif plan.path == "decoupled":
+            call = lambda: cuda.decoupled_gemm(*args)  # noqa: E731
+        else:
+            call = lambda: cuda.fused_gemm(*args, plan.tile_n, plan.split)  # noqa: E731
+        call()
+        out = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(out)
+
+    return fn
+
+
+class Tuner:
+    """One engine's measurements: shapes are timed when first asked about (a shared budget),
+    cached on disk when ``cache`` is given."""
+
+    def __init__(self, time_fn, max_n: int, decode_n: int, cache: Path | None = None, budget_s: float = BUDGET_S):
+        self.time_fn, self.max_n, self.decode_n, self.cache = time_fn, max_n, decode_n, cache
+        self.budget_left = budget_s
+        self.tuning = (load_cached(cache) if cache is not None else None) or Tuning()
+        self._dirty = False
+
+    def measure(self, shapes) -> None:
+        new = sorted({tuple(s) for s in shapes} - set(self.tuning.times))
+        if not new or self.budget_left <= 0:
+            return
+        t0 = time.perf_counter()
+        got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left)
+        self.budget_left -= time.perf_counter() - t0
+        self.tuning.times.update(got.times)
+        self.tuning.complete = self.tuning.complete and got.complete
+        self._dirty = True
+
+    def slower(self, shapes) -> tuple[float, int] | None:
+        """The worst (ratio, N) at which these shapes' best compressed plans are slower than BF16."""
+        self.measure(shapes)
+        return max((w for w in (slower_than_bf16(self.tuning, *s, self.decode_n) for s in shapes) if w),
+                   default=None)
+
+    def save(self) -> None:
+        if self.cache is not None and self._dirty:
+            save_cached(self.cache, self.tuning)
+            self._dirty = False
+
+
+# --------------------------------------------------------------------- cache
+def cache_file(gpu_name: str, driver: str, version: str) -> Path:
+    from ..cache import cache_dir
+
+    key = dispatch.table_key(f"{gpu_name}-driver-{driver}-zipserv-{version}")
+    return cache_dir() / "dispatch" / f"{key}.json"
+
+
+def load_cached(path: Path) -> Tuning | None:
+    try:
+        return Tuning.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save_cached(path: Path, tuning: Tuning) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(tuning.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
