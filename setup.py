@@ -68,8 +68,12 @@ _nvb = None
 if glob.glob("csrc/cuda/*.cu") and not os.environ.get("ZIPSERV_NO_CUDA"):
     _nvb = _load_nvcc_build()
     _nvcc = _nvb.find_nvcc()
+    _mismatch = _nvb.toolkit_mismatch(_nvcc) if _nvcc is not None else None
     if _nvcc is None:
         print("zipserv-vllm: nvcc not found, skipping the CUDA extension (set CUDA_HOME to build it)")
+        _nvb = None
+    elif _mismatch and not os.environ.get("ZIPSERV_ALLOW_CUDA_MISMATCH"):
+        print(_mismatch)
         _nvb = None
     else:
         extensions.append(

@@ -6,14 +6,17 @@
 #   here (with network):  bash benchmarks/gpu_run.sh --prepare   # pure-Python wheels of pytest -> .gpu-wheels/
 #   on the GPU machine:   OUT=/some/dir bash benchmarks/gpu_run.sh
 #
-# Steps, each under its own timeout so one slow step cannot eat the budget
-# (override with the *_TIMEOUT variables; SKIP_TESTS=1 / SKIP_BENCH=1 /
-# TUNE=1 to run tune_dispatch.py as well):
+# Steps, each under its own timeout so one slow step cannot eat the budget (about
+# 8 minutes in all; override with the *_TIMEOUT variables; SKIP_SANITIZE=1 /
+# SKIP_TESTS=1 / SKIP_BENCH=1; TUNE=1 to run tune_dispatch.py as well):
 #   1. build _C, _cuda and _emul in place for THIS GPU's arch only
-#   2. pytest tests/gpu + the CPU emulation tests          -> $OUT/pytest-gpu.{txt,xml}
-#   3. benchmarks/bench_zipgemm.py                          -> $OUT/bench_zipgemm.json
-#   4. benchmarks/bench_decode_e2e.py (batch 1, 8, 32)      -> $OUT/bench_decode_e2e.json
-#   5. (TUNE=1) benchmarks/tune_dispatch.py                 -> $OUT/dispatch-<gpu>.json
+#   2. compute-sanitizer memcheck, racecheck, synccheck on
+#      benchmarks/gpu_sanitize.py (small shapes, every kernel) -> $OUT/sanitize-*.txt
+#   3. pytest tests/gpu + the CPU emulation tests          -> $OUT/pytest-gpu.{txt,xml}
+#   4. benchmarks/bench_zipgemm.py                          -> $OUT/bench_zipgemm.json
+#   5. benchmarks/bench_decode_e2e.py (batch 1, 8, 32)      -> $OUT/bench_decode_e2e.json
+#   6. the engine-start autotuner on Llama-3-8B shapes      -> $OUT/autotune.json
+#   7. (TUNE=1) benchmarks/tune_dispatch.py                 -> $OUT/dispatch-<gpu>.json
 # Everything is logged to $OUT/gpu_run.log; the exit status is that of the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,9 +70,25 @@ log "build ok in $(( $(date +%s) - BUILD_START )) s"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "from zipserv_vllm.kernels import cuda as cuda_ops; print('cuda_ops.available:', cuda_ops.available(), cuda_ops.unavailable_reason())" 2>&1 | tee -a "$LOG"
 
+SAN_RC=0
+if [ -z "${SKIP_SANITIZE:-}" ]; then
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$SAN" ]; then
+    for tool in memcheck racecheck synccheck; do
+      log "2. compute-sanitizer --tool $tool"
+      timeout "${SANITIZE_TIMEOUT:-90}" "$SAN" --tool "$tool" --error-exitcode 3 "$PY" benchmarks/gpu_sanitize.py \
+          > "$OUT/sanitize-$tool.txt" 2>&1
+      rc=$?; [ "$rc" -ne 0 ] && SAN_RC=$rc
+      log "$tool exit status $rc"; tail -4 "$OUT/sanitize-$tool.txt" | tee -a "$LOG"
+    done
+  else
+    log "2. compute-sanitizer not found: sanitizer runs skipped"
+  fi
+fi
+
 TEST_RC=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  log "2. tests"
+  log "3. tests"
   timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs --maxfail=20 -p no:cacheprovider tests/gpu tests/test_lane_decode.py \
       tests/test_zipgemm_emulation.py --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.txt" 2>&1
   TEST_RC=$?
@@ -78,22 +97,27 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  log "3. bench_zipgemm"
+  log "4. bench_zipgemm"
   timeout "${BENCH_TIMEOUT:-200}" "$PY" benchmarks/bench_zipgemm.py ${BENCH_ARGS:-} --out "$OUT/bench_zipgemm.json" \
       > "$OUT/bench_zipgemm.txt" 2>&1
   log "bench_zipgemm exit status $?"; tail -5 "$OUT/bench_zipgemm.txt" | tee -a "$LOG"
-  log "4. bench_decode_e2e"
+  log "5. bench_decode_e2e"
   timeout "${E2E_TIMEOUT:-150}" "$PY" benchmarks/bench_decode_e2e.py ${E2E_ARGS:-} --out "$OUT/bench_decode_e2e.json" \
       > "$OUT/bench_decode_e2e.txt" 2>&1
   log "bench_decode_e2e exit status $?"; tail -6 "$OUT/bench_decode_e2e.txt" | tee -a "$LOG"
 fi
 
+log "6. autotune (the engine-start dispatcher) on Llama-3-8B shapes"
+timeout "${AUTOTUNE_TIMEOUT:-60}" "$PY" benchmarks/gpu_autotune.py "$OUT/autotune.json" > "$OUT/autotune.txt" 2>&1
+log "autotune exit status $?"; tail -6 "$OUT/autotune.txt" | tee -a "$LOG"
+
 if [ -n "${TUNE:-}" ]; then
-  log "5. tune_dispatch"
+  log "7. tune_dispatch"
   GPU_KEY=$("$PY" -c "import torch; from zipserv_vllm.kernels.dispatch import table_key; print(table_key(torch.cuda.get_device_name()))")
   timeout "${TUNE_TIMEOUT:-150}" "$PY" benchmarks/tune_dispatch.py --out "$OUT/dispatch-$GPU_KEY.json" \
       > "$OUT/tune_dispatch.txt" 2>&1
   log "tune_dispatch exit status $?"; tail -3 "$OUT/tune_dispatch.txt" | tee -a "$LOG"
 fi
 log "done in $(( $(date +%s) - T0 )) s"
-exit "$TEST_RC"
+[ "$TEST_RC" -ne 0 ] && exit "$TEST_RC"
+exit "$SAN_RC"

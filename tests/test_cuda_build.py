@@ -95,3 +95,22 @@ def test_lane_decode_is_branch_free(tmp_path):
     body = ptx.read_text()
     assert "popc.b64" in body and "selp" in body
     assert " bra" not in body and "\tbra" not in body, "decode_lane_pair has a branch"
+
+
+def test_toolkit_mismatch_is_one_clear_line(monkeypatch):
+    """A CUDA 13 nvcc beside a torch built for CUDA 12 is not used silently: its extension would need a
+    newer driver (R580) than torch's (R525). The build prints one line and skips the extension."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "csrc" / "cuda"))
+    import nvcc_build
+
+    monkeypatch.setattr(nvcc_build, "nvcc_version", lambda nvcc: (13, 0))
+    monkeypatch.setattr(nvcc_build, "torch_cuda_version", lambda: (12, 8))
+    line = nvcc_build.toolkit_mismatch("nvcc")
+    assert line.startswith("zipserv-vllm: nvcc is CUDA 13.0 but torch was built for CUDA 12.8")
+    assert ">= 580.65.06" in line and "ZIPSERV_ALLOW_CUDA_MISMATCH=1" in line
+    monkeypatch.setattr(nvcc_build, "torch_cuda_version", lambda: (13, 0))
+    assert nvcc_build.toolkit_mismatch("nvcc") is None
+    monkeypatch.setattr(nvcc_build, "torch_cuda_version", lambda: None)  # a CPU torch: build for the tests
+    assert nvcc_build.toolkit_mismatch("nvcc") is None

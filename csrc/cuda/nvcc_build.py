@@ -58,6 +58,45 @@ def supported_archs(nvcc: str) -> set[str]:
     return {m.group(1) for m in re.finditer(r"compute_(\d+)", out)}
 
 
+# The oldest driver a CUDA runtime of each major needs (NVIDIA's release notes; the extension
+# links the toolkit's cudart_static, so the toolkit decides).
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def torch_cuda_version() -> tuple[int, int] | None:
+    """The CUDA version torch was built for; None for a CPU torch or without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    v = getattr(torch.version, "cuda", None)
+    if not v:
+        return None
+    major, minor = (int(x) for x in v.split(".")[:2])
+    return major, minor
+
+
+def toolkit_mismatch(nvcc: str) -> str | None:
+    """One line when nvcc's CUDA major differs from torch's (the extension would then need a
+    newer driver than torch does, or fail to share its runtime's expectations); None otherwise."""
+    have, want = nvcc_version(nvcc), torch_cuda_version()
+    if have is None or want is None or have[0] == want[0]:
+        return None
+    return (f"zipserv-vllm: nvcc is CUDA {have[0]}.{have[1]} but torch was built for CUDA {want[0]}.{want[1]}; "
+            f"the CUDA extension built with it needs an NVIDIA driver >= {MIN_DRIVER.get(have[0], '?')} "
+            f"(torch's CUDA {want[0]} needs >= {MIN_DRIVER.get(want[0], '?')}). Not building it: point CUDA_HOME at "
+            f"a CUDA {want[0]} toolkit, or set ZIPSERV_ALLOW_CUDA_MISMATCH=1 to build anyway")
+
+
 def cuda_archs(nvcc: str) -> list[str]:
     env = os.environ.get("ZIPSERV_CUDA_ARCHS", "").replace(";", ",").replace(" ", ",")
     wanted = [a.strip().replace("sm_", "").replace(".", "") for a in env.split(",") if a.strip()] or list(DEFAULT_ARCHS)
