@@ -98,20 +98,22 @@ def compress_tensor(w: torch.Tensor, *, backend: str = "auto", threads: int | No
     return ct
 
 
+def _encoded(ct: CompressedTensor) -> reference.Encoded:
+    """The arrays of ``ct`` as NumPy views (on the CPU) in the reference codec's types."""
+    ct = ct.to("cpu") if ct.device.type != "cpu" else ct
+    return reference.Encoded(ct.shape[0], ct.shape[1], ct.bitmaps.contiguous().numpy().view(np.uint64),
+                             ct.base.contiguous().numpy(), ct.offsets.contiguous().numpy(),
+                             ct.sm.contiguous().numpy(), ct.fb.contiguous().numpy().view(np.uint16))
+
+
 def tile_checksums(ct: CompressedTensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:
     """The tile checksums of ``ct``'s stored bytes (docs/FORMAT.md section 6) as int32 [Mt, Kt]
     (uint32 bit patterns); ValueError when a segment lies outside its stream."""
-    ct = ct.to("cpu") if ct.device.type != "cpu" else ct
-    bitmaps = ct.bitmaps.contiguous().numpy().view(np.uint64)
-    base = ct.base.contiguous().numpy()
-    offsets = ct.offsets.contiguous().numpy()
-    sm = ct.sm.contiguous().numpy()
-    fb = ct.fb.contiguous().numpy().view(np.uint16)
+    e = _encoded(ct)
     if _backend(backend) == "reference":
-        m, k = ct.shape
-        crc = reference.tile_crc(reference.Encoded(m, k, bitmaps, base, offsets, sm, fb))
+        crc = reference.tile_crc(e)
     else:
-        crc = _C.tile_crc(bitmaps, base, offsets, sm, fb, threads or default_threads())
+        crc = _C.tile_crc(e.bitmaps, e.base, e.offsets, e.sm, e.fb, threads or default_threads())
     return torch.from_numpy(np.ascontiguousarray(crc).view(np.int32))
 
 
@@ -133,13 +135,10 @@ def decompress_tensor(ct: CompressedTensor, *, backend: str = "auto", threads: i
     """Rebuild the exact ``torch.bfloat16`` matrix of ``ct.shape`` (on the CPU)."""
     ct = ct.to("cpu") if ct.device.type != "cpu" else ct
     m, k = ct.shape
-    bitmaps = ct.bitmaps.contiguous().numpy().view(np.uint64)
-    base = ct.base.contiguous().numpy()
-    offsets = ct.offsets.contiguous().numpy()
-    sm = ct.sm.contiguous().numpy()
-    fb = ct.fb.contiguous().numpy().view(np.uint16)
+    e = _encoded(ct)
+    bitmaps, base, offsets, sm, fb = e.bitmaps, e.base, e.offsets, e.sm, e.fb
     if _backend(backend) == "reference":
-        out = reference.decode(reference.Encoded(m, k, bitmaps, base, offsets, sm, fb))
+        out = reference.decode(e)
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     ct.validate()
     # _C.empty_bits recycles huge-page memory: a fresh torch.empty would take a

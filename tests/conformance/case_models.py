@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import source_weight
 from safetensors.torch import load_file
 
 
@@ -53,14 +54,7 @@ def test_model_loaded_by_vllm_decodes_to_the_source_bits(vllm_cpu, models, arch)
         st = mod.__dict__.get("_zs_state")
         if st is None or not st.parts or st.tied_to is not None:
             continue
-        if name.endswith("qkv_proj"):
-            p = name[: -len("qkv_proj")]
-            want = torch.cat([src[f"{p}{x}_proj.weight"] for x in "qkv"])
-        elif name.endswith("gate_up_proj"):
-            p = name[: -len("gate_up_proj")]
-            want = torch.cat([src[f"{p}{x}_proj.weight"] for x in ("gate", "up")])
-        else:
-            want = src[f"{name}.weight"]
+        want = source_weight(src, name)
         got = _full_weight(st)[: want.shape[0]]
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
         assert st.checked == "tiles", name  # every tile checked against zs_crc while loading

@@ -30,6 +30,8 @@ def _rank(rank: int, port: int, zs: str, bf16: str, parallel: str, out: dict) ->
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.model_loader import get_model
 
+        from conftest import source_weight
+
         from zipserv_vllm.vllm_plugin import register
         from zipserv_vllm.vllm_plugin.methods import _full_weight
 
@@ -54,30 +56,8 @@ def _rank(rank: int, port: int, zs: str, bf16: str, parallel: str, out: dict) ->
             st = mod.__dict__.get("_zs_state")
             if st is None or not st.parts or st.tied_to is not None:
                 continue
-            got = _full_weight(st)
-            if parallel == "tp":
-                if name.endswith("qkv_proj"):
-                    p = name[: -len("qkv_proj")]
-                    parts = [src[f"{p}{x}_proj.weight"] for x in "qkv"]
-                    want = torch.cat([w.chunk(2)[rank] for w in parts])
-                elif name.endswith("gate_up_proj"):
-                    p = name[: -len("gate_up_proj")]
-                    want = torch.cat([src[f"{p}{x}_proj.weight"].chunk(2)[rank] for x in ("gate", "up")])
-                elif name.endswith(("o_proj", "down_proj")):
-                    want = src[f"{name}.weight"].chunk(2, dim=1)[rank]
-                else:  # vocabulary-parallel embedding / lm_head: the rank's rows
-                    want = src[f"{name}.weight"].chunk(2)[rank]
-                got = got[: want.shape[0]]
-            else:
-                if name.endswith("qkv_proj"):
-                    p = name[: -len("qkv_proj")]
-                    want = torch.cat([src[f"{p}{x}_proj.weight"] for x in "qkv"])
-                elif name.endswith("gate_up_proj"):
-                    p = name[: -len("gate_up_proj")]
-                    want = torch.cat([src[f"{p}{x}_proj.weight"] for x in ("gate", "up")])
-                else:
-                    want = src[f"{name}.weight"]
-                got = got[: want.shape[0]]
+            want = source_weight(src, name, rank if parallel == "tp" else None)
+            got = _full_weight(st)[: want.shape[0]]
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (rank, name)
             seen.append(name)
         out[rank] = sorted(seen)

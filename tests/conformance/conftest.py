@@ -53,3 +53,18 @@ def vllm_cpu():
                                      local_rank=0, backend="gloo")
         initialize_model_parallel(1, 1)
         yield vc
+
+
+def source_weight(src: dict, name: str, rank: int | None = None):
+    """The weight vLLM's module ``name`` holds, from the checkpoint tensors ``src``: q/k/v and
+    gate/up joined as vLLM joins them; with ``rank`` (TP=2), that rank's part of each (rows of
+    column-parallel layers, columns of o/down_proj, rows of the vocabulary)."""
+    def part(w, dim=0):
+        return w if rank is None else w.chunk(2, dim=dim)[rank]
+
+    for fused, names in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if name.endswith(fused):
+            p = name[: -len(fused)]
+            return torch.cat([part(src[f"{p}{x}.weight"]) for x in names])
+    dim = 1 if name.endswith(("o_proj", "down_proj")) else 0
+    return part(src[f"{name}.weight"], dim)
