@@ -5,6 +5,9 @@
 * ``zipserv_vllm._cpu_gemm``: fused decode-GEMM CPU kernels (csrc/cpu_gemm/).
 * ``zipserv_vllm._cuda``: CUDA kernels (csrc/cuda/), compiled only when nvcc
   is found and ZIPSERV_NO_CUDA is not set.
+* ``zipserv_vllm._simt``: the same CUDA kernel sources compiled by g++ and run
+  on the CPU by the SIMT harness (csrc/simt/, built by csrc/simt/simt_build.py),
+  for the tests. Needs no CUDA.
 
 Arrays and pointers come from Python, so one build serves several torch
 versions. ``ZIPSERV_BUILD_ONLY=_C,_cpu_gemm`` restricts which extensions are
@@ -40,27 +43,27 @@ if glob.glob("csrc/cpu_gemm/*.cpp"):
         )
     )
 
-# ``zipserv_vllm._emul``: host build of the CUDA kernels' index math and
-# per-lane decode (csrc/emul/ + csrc/cuda/*.cuh), for the CPU emulation tests.
-if glob.glob("csrc/emul/*.cpp"):
-    extensions.append(
-        Pybind11Extension(
-            "zipserv_vllm._emul", sorted(glob.glob("csrc/emul/*.cpp")),
-            include_dirs=["csrc/include", "csrc/cuda"], cxx_std=17,
-            depends=sorted(glob.glob("csrc/cuda/*.cuh") + glob.glob("csrc/include/zipserv/*.h")),
-            extra_compile_args=["-O2", "-Wall", "-Wextra"],
-        )
-    )
+
+def _load(name, path):
+    """A build helper under csrc/ (pure standard library, shared with the tests)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _load_nvcc_build():
     """csrc/cuda/nvcc_build.py (flags shared with tests/test_cuda_build.py)."""
-    import importlib.util
+    return _load("zipserv_nvcc_build", os.path.join("csrc", "cuda", "nvcc_build.py"))
 
-    spec = importlib.util.spec_from_file_location("zipserv_nvcc_build", os.path.join("csrc", "cuda", "nvcc_build.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+# ``zipserv_vllm._simt``: built by csrc/simt/simt_build.py (BuildExt below), not by setuptools.
+_simt_build = None
+if glob.glob("csrc/simt/*.cpp"):
+    _simt_build = _load("zipserv_simt_build", os.path.join("csrc", "simt", "simt_build.py"))
+    extensions.append(Pybind11Extension("zipserv_vllm._simt", ["csrc/simt/module.cpp"]))
 
 
 # ``zipserv_vllm._cuda``: only when nvcc is found and ZIPSERV_NO_CUDA is unset.
@@ -96,6 +99,12 @@ class BuildExt(build_ext):
     """build_ext that first compiles csrc/cuda/*.cu with nvcc (in parallel) for ``_cuda``."""
 
     def build_extension(self, ext):
+        if ext.name == "zipserv_vllm._simt":
+            # Objects cached in the source tree by content (build/simt_objs), like the CUDA ones.
+            here = os.path.dirname(os.path.abspath(__file__))
+            _simt_build.build(self.get_ext_fullpath(ext.name), variant="plain",
+                              cache_dir=os.path.join(here, "build", "simt_objs"), log=print)
+            return
         if ext.name == "zipserv_vllm._cuda" and _nvb is not None:
             nvcc = _nvb.find_nvcc()
             archs = _nvb.cuda_archs(nvcc)

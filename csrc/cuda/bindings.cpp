@@ -1,5 +1,7 @@
 // pybind11 module zipserv_vllm._cuda (compiled by the host compiler; the
-// kernels are in the nvcc-built objects). Every pointer is a Python int
+// kernels are in the nvcc-built objects). The same bindings, compiled with
+// ZIPSERV_SIMT, are the kernel half of zipserv_vllm._simt (csrc/simt/module.cpp),
+// where the kernels are the same sources run by the SIMT harness on the CPU. Every pointer is a Python int
 // (tensor.data_ptr()), the stream is torch.cuda.current_stream().cuda_stream:
 // no torch C++ ABI, cudart only. Errors become RuntimeError naming the call.
 #include <pybind11/pybind11.h>
@@ -27,9 +29,10 @@ void check(int err, const char* what) {
 
 }  // namespace
 
-PYBIND11_MODULE(_cuda, m) {
-  m.doc() = "zipserv-vllm CUDA kernels: fused ZipGEMM, decompress, GPU encoder (TCA-TBE v1)";
+namespace zipserv {
+namespace cuda {
 
+void bind_kernels(py::module_& m) {
   m.def("tile_ns", []() { return py::make_tuple(8, 16, 32, 64, 128); },
         "Columns per block of the fused kernel instances");
   m.def("fused_smem_bytes", [](int tile_n) { return zipserv::gemm::fused_smem_bytes(tile_n); },
@@ -96,3 +99,13 @@ PYBIND11_MODULE(_cuda, m) {
       },
       "Encoder pass 2: copy each tile's scratch into its canonical segments");
 }
+
+}  // namespace cuda
+}  // namespace zipserv
+
+#if !defined(ZIPSERV_SIMT)
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "zipserv-vllm CUDA kernels: fused ZipGEMM, decompress, GPU encoder (TCA-TBE v1)";
+  zipserv::cuda::bind_kernels(m);
+}
+#endif

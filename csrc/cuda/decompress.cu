@@ -14,9 +14,9 @@ using namespace zipserv::gemm;
 using namespace zipserv::dev;
 
 __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) {
-  __shared__ __align__(16) uint64_t bmp[kPlanes * kFragsPerTile];
-  __shared__ __align__(16) uint8_t st_sm[kWarps][kSmStageBytes];
-  __shared__ __align__(16) uint16_t st_fb[kWarps][kFbStageElems];
+  ZS_SHARED(uint64_t, bmp, [kPlanes * kFragsPerTile]);
+  ZS_SHARED(uint8_t, st_sm, [kWarps][kSmStageBytes]);
+  ZS_SHARED(uint16_t, st_fb, [kWarps][kFbStageElems]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kt = (a.K + kTile - 1) / kTile;
   const int64_t g = blockIdx.x;
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
   cp_async_wait_all();
   __syncwarp();
 
-  __shared__ __align__(16) uint16_t tile[kTile * kOutPitch];
+  ZS_SHARED(uint16_t, tile, [kTile * kOutPitch]);
   int hrun = 0;
 #pragma unroll 4
   for (int i = 0; i < kFtPerMed; ++i) {
@@ -79,7 +79,7 @@ int decompress(const DecompressArgs& a, uintptr_t stream) {
   if (a.M < 1 || a.K < 1) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t g = static_cast<int64_t>((a.M + kTile - 1) / kTile) * ((a.K + kTile - 1) / kTile);
   if (g > 0x7FFFFFFFLL) return static_cast<int>(cudaErrorInvalidValue);
-  decompress_kernel<<<static_cast<unsigned>(g), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  ZS_LAUNCH(decompress_kernel, static_cast<unsigned>(g), kThreads, 0, reinterpret_cast<cudaStream_t>(stream))(a);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,10 +1,12 @@
 // Device-only helpers of the ZipServ kernels: cp.async, mma.sync, and the
 // staging of one tile's compressed data that the fused and the decompress
-// kernels share. The index math lives in zipgemm_layout.cuh (also used by the
-// CPU emulation); this file only moves bytes.
+// kernels share. The index math lives in zipgemm_layout.cuh; this file only
+// moves bytes. The inline PTX is confined to the four functions below; under
+// the SIMT harness (target.cuh) they call its host twins, which check how
+// they are used (csrc/simt/simt.h).
 #pragma once
 
-#include <cuda_runtime.h>
+#include "target.cuh"
 
 #include <cstdint>
 
@@ -18,6 +20,24 @@ namespace zipserv {
 namespace dev {
 
 using namespace zipserv::gemm;
+
+#if defined(ZIPSERV_SIMT)
+
+// Host twins (csrc/simt/runtime.cpp); the harness names the caller's line in its reports.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes = 16,
+                                           const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::simt::cp_async(dst, src, 16, src_bytes, file, line);
+}
+__device__ __forceinline__ void cp_async_commit() { ::simt::cp_async_commit(); }
+__device__ __forceinline__ void cp_async_wait_all(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::simt::cp_async_wait_all(file, line);
+}
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                               const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::simt::mma_m16n8k16_bf16(c, a, b0, b1, file, line);
+}
+
+#else
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -39,6 +59,8 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+#endif
 
 // Bit-planes of tile g (1536 bytes = 96 chunks) into shared memory, by
 // threads 0..95 of the block.

@@ -1,8 +1,6 @@
-// zipserv::embedding on a GPU: see gather_layout.cuh (the block body, shared
-// with the CPU emulation).
-#include <cuda_runtime.h>
-
+// zipserv::embedding on a GPU: see gather_layout.cuh (the block body).
 #include "gather_layout.cuh"
+#include "target.cuh"
 #include "launch.h"
 
 namespace zipserv {
@@ -12,7 +10,7 @@ namespace {
 using namespace zipserv::gather;
 
 __global__ void __launch_bounds__(kThreads) embedding_kernel(GatherArgs a) {
-  __shared__ Shared s;
+  ZS_SHARED(Shared, s, );
   const int64_t i = blockIdx.x;
   const int tk = static_cast<int>(blockIdx.y), t = static_cast<int>(threadIdx.x);
   const int64_t row = gather_row(a, i);
@@ -37,7 +35,7 @@ int embedding_gather(const GatherArgs& a, uintptr_t stream) {
   const int64_t kt = (a.K + kTile - 1) / kTile;
   if (kt > 65535) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(a.n), static_cast<unsigned>(kt));
-  embedding_kernel<<<grid, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  ZS_LAUNCH(embedding_kernel, grid, kThreads, 0, reinterpret_cast<cudaStream_t>(stream))(a);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -19,10 +19,10 @@ using namespace zipserv::enc;
 constexpr int kEncThreads = enc::kThreads;
 
 __global__ void __launch_bounds__(kEncThreads) encode_tiles_kernel(EncodeArgs a) {
-  __shared__ int hist[256];
-  __shared__ unsigned long long planes[kPlanes * kFragsPerTile];
-  __shared__ int best;
-  __shared__ int warp_tot[kEncThreads / 32];
+  ZS_SHARED(int, hist, [256]);
+  ZS_SHARED(unsigned long long, planes, [kPlanes * kFragsPerTile]);
+  ZS_SHARED(int, best, );
+  ZS_SHARED(int, warp_tot, [kEncThreads / 32]);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kt = (a.K + kTile - 1) / kTile;
   const int64_t gl = blockIdx.x;
@@ -122,13 +122,14 @@ int encode_tiles(const EncodeArgs& a, uintptr_t stream) {
   const int kt = (a.K + kTile - 1) / kTile;
   const int64_t g = static_cast<int64_t>(a.tm_count) * kt;
   if (a.M < 1 || a.K < 1 || a.tm_count < 1 || g > 0x7FFFFFFFLL) return static_cast<int>(cudaErrorInvalidValue);
-  encode_tiles_kernel<<<static_cast<unsigned>(g), kEncThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  ZS_LAUNCH(encode_tiles_kernel, static_cast<unsigned>(g), kEncThreads, 0, reinterpret_cast<cudaStream_t>(stream))(a);
   return static_cast<int>(cudaGetLastError());
 }
 
 int encode_scatter(const ScatterArgs& a, uintptr_t stream) {
   if (a.G < 1 || a.G > 0x7FFFFFFFLL) return static_cast<int>(cudaErrorInvalidValue);
-  encode_scatter_kernel<<<static_cast<unsigned>(a.G), kEncThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  ZS_LAUNCH(encode_scatter_kernel, static_cast<unsigned>(a.G), kEncThreads, 0,
+            reinterpret_cast<cudaStream_t>(stream))(a);
   return static_cast<int>(cudaGetLastError());
 }
 

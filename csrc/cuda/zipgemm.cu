@@ -51,7 +51,7 @@ int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
   const int64_t mn = static_cast<int64_t>(a.M) * a.N;
   const int64_t blocks64 = (mn + 255) / 256;
   const int blocks = static_cast<int>(blocks64 < 8192 ? blocks64 : 8192);
-  splitk_reduce<<<blocks, 256, 0, st>>>(a.ws, a.bias, a.y, mn, a.M, a.split);
+  ZS_LAUNCH(splitk_reduce, blocks, 256, 0, st)(a.ws, a.bias, a.y, mn, a.M, a.split);
   return static_cast<int>(cudaGetLastError());
 }
 

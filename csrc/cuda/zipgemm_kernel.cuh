@@ -87,7 +87,7 @@ template <int NT8>
 __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
     using F = Fused<NT8>;
     constexpr int TN = F::TN;
-    extern __shared__ __align__(16) unsigned char smem[];
+    ZS_DYNAMIC_SHARED(smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int col0 = blockIdx.x * TN, tm = blockIdx.y, part = blockIdx.z;
     const int kt_total = (a.K + kTile - 1) / kTile;
@@ -179,7 +179,7 @@ template <int NT8>
 inline int launch(const GemmArgs& a, cudaStream_t st) {
   constexpr int TN = 8 * NT8;
   const dim3 grid((a.N + TN - 1) / TN, (a.M + kTile - 1) / kTile, a.split);
-  fused_kernel<NT8><<<grid, kThreads, fused_smem_bytes(TN), st>>>(a);
+  ZS_LAUNCH(fused_kernel<NT8>, grid, kThreads, fused_smem_bytes(TN), st)(a);
   return static_cast<int>(cudaGetLastError());
 }
 

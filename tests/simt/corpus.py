@@ -1,0 +1,89 @@
+"""Kernel cases built from the reference codec (the parent side: imports the package)."""
+
+import numpy as np
+
+from zipserv_vllm.format import reference
+
+from . import cases
+
+ALL = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+
+
+def bf16_bits(a):
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # RNE, finite inputs
+
+
+def weight(rng, m, k):
+    w = rng.standard_normal((m, k)) * 0.02
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 50))] = 0.0  # zeros (fallback)
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 200))] *= 300.0  # outliers (fallback)
+    w.flat[rng.integers(0, m * k, size=max(1, m * k // 500))] = 1e-39  # subnormals (fallback)
+    return bf16_bits(w)
+
+
+def gemm_case(m, k, n, tile_n, split, bias=True, seed=0, name="zipgemm"):
+    rng = np.random.default_rng([m, k, n, seed])
+    w = weight(rng, m, k)
+    e = reference.encode(w)
+    x = bf16_bits(rng.standard_normal((n, k)))
+    b = bf16_bits(rng.standard_normal(m) * 0.1) if bias else None
+    c = cases.weight(e, kind="zipgemm", name=f"{name} {m}x{k} N={n} tile_n={tile_n} split={split}", w=w, x=x,
+                     tile_n=tile_n, split=split)
+    if b is not None:
+        c["bias"] = b
+    return c
+
+
+def decompress_case(w, name="decompress", e=None):
+    e = e or reference.encode(w)
+    assert np.array_equal(reference.decode(e), w)  # the oracle itself round-trips
+    return cases.weight(e, kind="decompress", name=name, want=w)
+
+
+def encode_case(w, name="encode"):
+    e = reference.encode(w)
+    return {"kind": "encode", "name": name, "w": np.ascontiguousarray(w),
+            **{"want_" + n: np.ascontiguousarray(getattr(e, n)) for n in cases.ENC}}
+
+
+def onehot_case(tile_n, split, n, name="all patterns"):
+    """All 65,536 patterns as W, one-hot X (cases.run checks it exactly)."""
+    w = ALL.reshape(256, 256)
+    cols = (np.arange(n) * 97) % 256
+    return cases.weight(reference.encode(w), kind="onehot", name=f"{name} tile_n={tile_n} split={split}", w=w,
+                        cols=cols, tile_n=tile_n, split=split)
+
+
+def embedding_case(w, ids, rows, e=None, name="embedding"):
+    padded = np.concatenate([w, np.zeros((rows - w.shape[0], w.shape[1]), np.uint16)])
+    want = padded[np.clip(ids.astype(np.int64), 0, rows - 1)]
+    return cases.weight(e or reference.encode(w), kind="embedding", name=name, ids=ids, rows=rows, want=want)
+
+
+def noncanonical_case(c, name="non-canonical layout"):
+    """Case c with its weight's segments reordered and garbage between them."""
+    from .kernels import noncanonical
+
+    e = noncanonical(cases._enc(c))
+    return {**c, "sm": e.sm, "fb": e.fb, "offsets": e.offsets, "name": f"{c.get('name', c['kind'])}, {name}"}
+
+
+def coverage_cases() -> list:
+    """One of everything, small enough for the sanitizer builds (~1 min under TSan): every fused
+    instance with split-K off and on, ragged shapes, K % 8 != 0, all 65,536 patterns through
+    every kernel, non-canonical layouts, the encoder."""
+    rng = np.random.default_rng(21)
+    w = weight(rng, 130, 200)
+    out = [gemm_case(130, 452, 21, t, s) for t in (8, 16, 32, 64, 128) for s in (1, 3)]
+    out += [gemm_case(70, 100, 9, 16, 2), gemm_case(1, 1, 1, 8, 1, bias=False),
+            noncanonical_case(gemm_case(130, 200, 17, 32, 2)),
+            onehot_case(128, 1, 256), onehot_case(8, 4, 64),
+            decompress_case(ALL.reshape(256, 256), "all patterns"), decompress_case(w),
+            noncanonical_case(decompress_case(w)),
+            embedding_case(ALL.reshape(256, 256), np.arange(256, dtype=np.int64)[::-1].copy(), 256),
+            noncanonical_case(embedding_case(w, np.concatenate([np.arange(130), [130, 160, -1, 999]]).astype(np.int32),
+                                             167)),
+            encode_case(np.random.default_rng(3).permutation(ALL).reshape(256, 256), "encoder, all patterns"),
+            encode_case(weight(rng, 129, 257), "encoder, ragged")]
+    return out

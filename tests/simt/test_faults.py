@@ -1,0 +1,121 @@
+"""The harness catches the mistakes it exists for: faults planted in a copy of the kernels' own sources.
+
+Each test copies csrc/, changes one line of a kernel or of its index math (the
+anchor must occur exactly once, so a kernel that moved on fails the test
+instead of silently testing nothing), builds that copy with g++ and runs small
+cases in a child process. The unmodified sources pass the same cases
+(test_kernels.py, test_sanitized.py), so a failure here is the planted fault
+being seen. Builds are cached by source hash; only the changed translation
+unit recompiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from . import cases, harness
+from .corpus import ALL, decompress_case, gemm_case, onehot_case
+
+pytestmark = pytest.mark.skipif(harness.module() is None, reason=harness.MISSING)
+
+KERNEL = "cuda/zipgemm_kernel.cuh"
+LAYOUT = "cuda/zipgemm_layout.cuh"
+
+
+def _gemm_cases():
+    return [gemm_case(130, 452, 21, 32, 1), gemm_case(128, 256, 16, 16, 3), onehot_case(8, 4, 64)]
+
+
+def _decompress_cases():
+    rng = np.random.default_rng(5)
+    return [decompress_case(ALL.reshape(256, 256), "all patterns"),
+            decompress_case(rng.integers(0x3000, 0x4000, (130, 200), dtype=np.uint16), "narrow")]
+
+
+def _faulty(tmp_path, name, path, old, new, variant="plain"):
+    root = harness.copy_csrc(tmp_path / f"csrc-{variant}")
+    harness.plant(root, path, old, new)
+    return harness.build(variant, root=root, name=f"fault-{name}")
+
+
+def _run(tmp_path, module, variant, todo, schedules=("forward",)):
+    p = tmp_path / f"cases-{variant}.npz"
+    cases.save(p, todo)
+    return harness.run_child(module, variant, {"cases": str(p), "schedules": list(schedules)})
+
+
+def _assert_wrong(r, n_cases):
+    """The child ran to its end and reported wrong results (exit 1), not a crash."""
+    assert r.returncode == 1, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    assert " failed; harness counters" in r.stdout, r.stdout
+    assert " 0 failed" not in r.stdout and f"{n_cases} cases" in r.stdout, r.stdout
+
+
+# The fused kernel's main loop opens with the wait for the previous iteration's
+# cp.async group, then the barrier that makes every warp's copies visible.
+LOOP_TOP = "    for (int i = 0; i < nt; ++i) {\n      cp_async_wait_all();\n      __syncthreads();\n"
+
+
+def test_missing_cp_async_wait(tmp_path):
+    mod = _faulty(tmp_path, "no-wait", KERNEL, LOOP_TOP, "    for (int i = 0; i < nt; ++i) {\n      __syncthreads();\n")
+    todo = _gemm_cases()
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))  # staged data read before it landed
+    asan = _faulty(tmp_path, "no-wait", KERNEL, LOOP_TOP, "    for (int i = 0; i < nt; ++i) {\n      __syncthreads();\n",
+                   variant="asan")
+    r = _run(tmp_path, asan, "asan", todo[:1])
+    # ASan sees the read of a cp.async destination that is still in flight (poisoned until the wait)
+    assert r.returncode == harness.EXIT_STATUS["asan"], (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "use-after-poison" in r.stderr and "zipgemm_kernel.cuh" in r.stderr, r.stderr[-3000:]
+
+
+def test_missing_barrier(tmp_path):
+    mod = _faulty(tmp_path, "no-barrier", KERNEL, LOOP_TOP,
+                  "    for (int i = 0; i < nt; ++i) {\n      cp_async_wait_all();\n")
+    todo = _gemm_cases()
+    # warps read the X tile other warps' copies fill: under some schedule before they land
+    _assert_wrong(_run(tmp_path, mod, "plain", todo, schedules=("forward", "reverse")), len(todo))
+
+
+def test_wrong_swizzle(tmp_path):
+    old = "  return x_smem_index(t * 8 + b_frag_n(lane), kg * 16 + b_frag_k(lane, r, 0));\n"
+    new = "  return (t * 8 + b_frag_n(lane)) * kTile + kg * 16 + b_frag_k(lane, r, 0);  // planted: no swizzle\n"
+    mod = _faulty(tmp_path, "swizzle", LAYOUT, old, new)
+    todo = _gemm_cases()
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+
+
+def test_fallback_index_off_by_one(tmp_path):
+    old = "{ return s.fb_local + i * kFragElems - hrun; }"
+    mod = _faulty(tmp_path, "fb-off-by-one", LAYOUT, old, "{ return s.fb_local + i * kFragElems - hrun + 1; }")
+    todo = _decompress_cases()[:1] + [onehot_case(32, 1, 64)]  # all patterns: plenty of fallback values
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+
+
+def test_pipeline_with_two_plane_buffers(tmp_path):
+    # planes two tiles ahead then land in the buffer the current tile is being decoded from
+    mod = _faulty(tmp_path, "two-plane-buffers", LAYOUT, "constexpr int kBmpBuffers = 3;",
+                  "constexpr int kBmpBuffers = 2;")
+    todo = [gemm_case(128, 512, 16, 16, 1), onehot_case(8, 1, 64)]  # 8 and 4 K tiles: the pipeline wraps
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+
+
+# decompress.cu: each lane decodes its fragment pairs into the shared tile, then
+# the warp's lanes store rows that other lanes wrote: the __syncwarp between.
+WARP_SYNC = "  }\n  __syncwarp();\n  // Warp w's FTs"
+
+
+def test_missing_syncwarp_is_a_race(tmp_path):
+    mod = _faulty(tmp_path, "no-syncwarp", "cuda/decompress.cu", WARP_SYNC, "  }\n  // Warp w's FTs")
+    todo = _decompress_cases()
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+    tsan = _faulty(tmp_path, "no-syncwarp", "cuda/decompress.cu", WARP_SYNC, "  }\n  // Warp w's FTs", variant="tsan")
+    r = _run(tmp_path, tsan, "tsan", todo[1:])
+    assert r.returncode == harness.EXIT_STATUS["tsan"], (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "data race" in r.stderr and "decompress.cu" in r.stderr, r.stderr[-3000:]
+
+
+def test_anchor_that_moved_fails_loudly(tmp_path):
+    root = harness.copy_csrc(tmp_path / "csrc")
+    with pytest.raises(AssertionError, match="occurs 0 times"):
+        harness.plant(root, KERNEL, "no such line in the kernel", "")
