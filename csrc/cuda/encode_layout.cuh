@@ -1,6 +1,6 @@
-// Index math and per-element rules of the GPU encoder (csrc/cuda/encode.cu),
-// shared with its CPU replay (csrc/emul/emul.cpp, tests/test_zipgemm_emulation.py
-// ::test_encoder_replay_*). Plain C++ marked ZS_HD.
+// Index math and per-element rules of the GPU encoder (csrc/cuda/encode.cu).
+// Plain C++ marked ZS_HD (the SIMT harness runs the encoder on the CPU:
+// tests/simt/test_kernels.py::test_encoder_*).
 #pragma once
 
 #include <cstdint>

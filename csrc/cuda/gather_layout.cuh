@@ -5,9 +5,8 @@
 //
 // The block body is written as three phases separated by barriers, as
 // __host__ __device__ functions: the kernel (csrc/cuda/embedding.cu) runs them
-// with __syncthreads() between, and the CPU emulation (csrc/emul/emul.cpp)
-// runs the same functions for every thread of every block, so the code the
-// GPU executes is the code the CPU tests execute.
+// with __syncthreads() between; the SIMT harness (csrc/simt/) runs that kernel
+// on the CPU, so the code the GPU executes is the code the CPU tests execute.
 //
 //   load   thread t fetches the three bit-plane words of FT t and counts its
 //          high-frequency elements

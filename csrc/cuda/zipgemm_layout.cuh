@@ -1,7 +1,7 @@
-// Index math of the ZipGEMM / decompress kernels, shared with the CPU
-// emulation (csrc/emul/emul.cpp). Everything here is plain C++ marked ZS_HD,
-// so g++ compiles it for the emulation and nvcc for the kernels: a change to
-// a mapping changes both, and tests/test_zipgemm_emulation.py checks it.
+// Index math of the ZipGEMM / decompress kernels. Plain C++ marked ZS_HD:
+// nvcc compiles it into the kernels, g++ into the same kernels run on the CPU
+// by the SIMT harness (csrc/simt/, tests/simt/), so the tests execute exactly
+// these mappings.
 //
 // Thread block: 4 warps (128 threads) over one 64-row tile row of W and
 // kTileN(NT8) = 8 * NT8 columns of X. Warp w owns medium tile mm = w
@@ -41,7 +41,8 @@ constexpr int kStages = 2;                              // values + X double buf
 
 // Pipeline schedule of the fused kernel, K tile i of a split part (the
 // prologue is iteration -1: it issues planes of tiles 0 and 1 and values/X of
-// tile 0). Shared with the emulation's hazard check (pipeline_check).
+// tile 0). A hazard here reads garbage in the SIMT harness (cp.async fills its
+// destination with garbage until the wait; tests/simt/test_faults.py plants one).
 //   compute(i)     reads planes buffer pipe_compute_bmp(i), stage pipe_compute_stage(i)
 //   counts(i+1)    reads planes buffer pipe_counts_bmp(i)
 //   issue(i+1)     values + X of tile i+1 into stage pipe_issue_stage(i)

@@ -7,7 +7,7 @@ def _reason() -> str:
     import torch
 
     if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False: the CUDA kernels cannot run here (CPU emulation: tests/test_zipgemm_emulation.py)"
+        return "torch.cuda.is_available() is False: the CUDA kernels cannot run here (the same sources run on the CPU: tests/simt/)"
     from zipserv_vllm.kernels import cuda as cuda_ops
 
     return cuda_ops.unavailable_reason()

@@ -1,6 +1,6 @@
 // The per-lane decode of TCA-TBE v1 (docs/FORMAT.md section 5), as one
-// __host__ __device__ function shared by the CUDA kernels (csrc/cuda/) and the
-// CPU emulation (csrc/emul/, tests/test_lane_decode.py).
+// __host__ __device__ function used by every CUDA kernel (csrc/cuda/); the
+// SIMT harness runs those kernels on the CPU (tests/simt/).
 //
 // In the mma.m16n8k16 A fragment, lane l of a warp holds the two elements at
 // positions p = 2l and p + 1 of an 8x8 FragTile (row l / 4, columns 2 (l % 4)
