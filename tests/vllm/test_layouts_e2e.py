@@ -5,8 +5,8 @@
   stays BF16), pre-compressed and packed at load;
 * a sentence-transformers BERT (``1_Pooling``, ``2_Dense``, ``3_Normalize``) in
   the pooling runner: embeddings of the Dense projection's width, identical;
-* mixtures of experts (Qwen3-MoE, Mixtral): attention and embeddings compressed,
-  experts and routers BF16 (the summary says so), outputs identical;
+* mixtures of experts (Qwen3-MoE, Mixtral): attention, embeddings and the routed
+  experts compressed (routers BF16), outputs identical (more in test_moe.py);
 * a sharded PyTorch ``.bin`` checkpoint: packed at load, and compressed to safetensors;
 * a vision-language model: CLIP in the pooling runner, text and image requests
   (the vision tower's linear layers compressed). A generative VLM (PaliGemma,
@@ -92,7 +92,13 @@ def test_mixture_of_experts_loads_and_matches(vllm_env, zoo, kind, caplog):
     pre, pack = run_engine(zs, chat=False), run_engine(bf16, chat=False, quantization="zipserv")
     for run in (pre, pack):
         _same(base, run)
-        assert run["memory"]["layers_compressed"] >= 4  # q/o projections of both layers, embedding, lm_head
+        mem = run["memory"]
+        # every routed expert's w13 and w2 (4 experts x 2 layers), held compressed (vllm_plugin/moe.py)
+        moe = "mlp" if kind == "qwen3-moe" else "block_sparse_moe"
+        assert sorted(k for k in mem["parts"] if ".experts." in k) == sorted(
+            f"model.layers.{i}.{moe}.experts.{e}.{w}" for i in range(2) for e in range(4) for w in ("w13", "w2"))
+        assert mem["layers_compressed"] >= 4 + 16  # + q/o projections of both layers, embedding, lm_head
+        assert mem["total_bytes"] < 0.85 * base["memory"]["total_bytes"]  # measured resident bytes
 
 
 def test_bin_checkpoint(vllm_env, zoo):

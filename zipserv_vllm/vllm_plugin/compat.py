@@ -64,6 +64,13 @@ NEEDS: dict[str, Need] = {n.what: n for n in (
     # Mixture-of-experts method base (vLLM is moving MoE to a factory + modular kernels).
     Need("FusedMoEMethodBase", (("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase"),
                                 ("vllm.model_executor.layers.fused_moe", "FusedMoEMethodBase")), required=False),
+    # The routed experts of a MoE layer (what get_quant_method is asked about) and vLLM's own method for them,
+    # which zipserv's (vllm_plugin/moe.py) extends. Without them MoE layers stay BF16.
+    Need("RoutedExperts", (("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+                           ("vllm.model_executor.layers.fused_moe", "RoutedExperts")), required=False),
+    Need("UnquantizedFusedMoEMethod",
+         (("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod"),
+          ("vllm.model_executor.layers.fused_moe", "UnquantizedFusedMoEMethod")), required=False),
 )}
 
 _found: dict[str, Any] = {}

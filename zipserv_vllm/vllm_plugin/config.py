@@ -121,11 +121,12 @@ class ZipServConfig(QuantizationConfig):
         self._arenas: dict[str, PagedArena] = {}
         self._executed = False
         self._finished = False
+        self._moe_pending = 0  # MoE layers created but not yet compressed (finish_loading waits for them)
 
     # vLLM pickles the config from the front-end to the workers: ship settings, not state.
     def __getstate__(self):
         d = dict(self.__dict__)
-        for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain"):
+        for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain", "_moe_pending"):
             d.pop(k, None)
         return d
 
@@ -195,6 +196,11 @@ class ZipServConfig(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding):
             cls = methods.ZipServEmbeddingMethod if self.precompressed else methods.ZipServOnlineEmbeddingMethod
             return cls(self)
+        routed = compat.find("RoutedExperts", required=False)
+        if routed is not None and isinstance(layer, routed) and compat.find("UnquantizedFusedMoEMethod", required=False):
+            from .moe import ZipServMoEMethod
+
+            return ZipServMoEMethod(layer.moe_config, self, prefix)
         name = type(layer).__name__
         if "MoE" in name or "Experts" in name:
             self._unmanaged[name] = self._unmanaged.get(name, 0) + 1
@@ -228,9 +234,18 @@ class ZipServConfig(QuantizationConfig):
                                       self.speed_reason)
         self.finish_loading()
 
+    def expect_moe(self) -> None:
+        self._moe_pending += 1
+
+    def moe_done(self) -> None:
+        """A MoE layer's experts are compressed (or kept BF16); the last one may finish loading."""
+        self._moe_pending -= 1
+        if not self._moe_pending and (self._executed or all(st.done for st in self._states)):
+            self.finish_loading()
+
     def finish_loading(self) -> None:
         """Once all layers are loaded: shrink partly used pages and log the memory summary."""
-        if self._finished:
+        if self._finished or self._moe_pending:
             return
         self._finished = True
         repacked = self._repack_cpu()

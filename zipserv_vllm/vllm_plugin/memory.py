@@ -61,10 +61,12 @@ def weight_memory(model: torch.nn.Module) -> dict:
     from ..format.cpu_layout import PackedTensor
 
     arenas, compressed, bf16, paths, equiv, parts, layouts = {}, 0, 0, {}, 0, {}, {}
-    for mod in model.modules():
+
+    def states(mod):
         st = mod.__dict__.get("_zs_state")
-        if st is None:
-            continue
+        return ([st] if st is not None else []) + list(mod.__dict__.get("_zs_moe_states") or [])  # vllm_plugin/moe.py
+
+    for st in (st for mod in model.modules() for st in states(mod)):
         if st.bf16:
             bf16 += 1
         if st.arena is not None and st.tied_to is None:
