@@ -72,3 +72,21 @@ def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
             assert len(expert_parts(mem)) == 2 * EXPERTS * LAYERS
         # each rank holds its half of every expert
         assert mems[0]["compressed_bf16_bytes"] == mems[1]["compressed_bf16_bytes"]
+
+
+def test_expert_updates_after_loading_are_refused_with_one_line(vllm_env, moe_dirs):
+    from safetensors.torch import load_file
+
+    from zs_e2e import ENGINE_KW, _release
+    from vllm import LLM
+
+    bf16, _ = moe_dirs
+    new = [(k, v) for k, v in load_file(str(bf16 / "model.safetensors")).items() if ".experts.1." in k]
+    llm = LLM(model=str(bf16), quantization="zipserv", **ENGINE_KW)
+    try:
+        with pytest.raises(Exception, match=r"zipserv: model\.layers\.0\.block_sparse_moe\.experts: the routed "
+                                            r"experts .* held compressed, and updating them after loading is not "
+                                            r"supported yet"):
+            llm.apply_model(lambda m: m.load_weights(iter(new)))
+    finally:
+        _release(llm)

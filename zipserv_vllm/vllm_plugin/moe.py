@@ -32,6 +32,7 @@ from torch.nn import Parameter
 from . import compat, loading
 
 UnquantizedFusedMoEMethod = compat.find("UnquantizedFusedMoEMethod")
+set_weight_attrs = compat.find("set_weight_attrs")
 
 _LAYERS: dict[int, tuple] = {}  # op key -> (weakref to the layer, its method)
 _KEYS = itertools.count()
@@ -120,8 +121,16 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         for name in ("w13_weight", "w2_weight"):
             empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=w13.device), requires_grad=False)
             layer.register_parameter(name, empty)
+            set_weight_attrs(empty, {"weight_loader": self._refuse_update})
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
+
+    def _refuse_update(self, param, loaded_weight, *args, **kwargs):
+        """Weight updates after loading (reload_weights, model.load_weights) reach the experts here."""
+        raise loading.ZipServLoadError(
+            f"zipserv: {self.zs_prefix}: the routed experts of this mixture-of-experts layer are held compressed, "
+            f"and updating them after loading is not supported yet (dense layers and the embedding do take "
+            f"updates); restart the engine on the new weights")
 
     # ------------------------------------------------------------------ run
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
