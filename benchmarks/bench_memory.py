@@ -14,7 +14,10 @@ backend, in-process, eager) in a fresh subprocess, which then reports
 Models: the tests' tiny Llama, and a Llama-shaped model of about 1.1 B
 parameters (hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192,
 vocab 32000, untied) with N(0, 0.02^2) weights, built with the shared tiny-model
-builder and compressed once with ``zipserv compress`` (the checkpoint module).
+builder and compressed once with ``zipserv compress`` (the checkpoint module);
+``moe1b``, a Mixtral-style mixture of experts of about 1.0 B parameters
+(8 layers x 8 experts, hidden 1536, expert intermediate 3072, top-2), whose
+routed experts are compressed at load (vllm_plugin/moe.py). Not run by default.
 
     python benchmarks/bench_memory.py                  # tiny + 1b
     python benchmarks/bench_memory.py --sizes tiny     # quick
@@ -37,6 +40,11 @@ SIZES = {
                  vocab_size=2048, std=0.08),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                vocab_size=32000, std=0.02, max_position_embeddings=512),
+    # A Mixtral-style mixture of experts of about 1.0 B parameters (0.91 B in the routed experts: 8 layers x
+    # 8 experts x 3 x 1536 x 3072), built by the zoo's MoE builder (its 512-token vocabulary).
+    "moe1b": dict(zoo="mixtral", std=0.02, config=dict(hidden_size=1536, intermediate_size=3072, num_hidden_layers=8,
+                                                      num_local_experts=8, num_experts_per_tok=2, num_attention_heads=12,
+                                                      num_key_value_heads=4, head_dim=128)),
 }
 VARIANTS = ("bf16", "precompressed", "pack_at_load", "precompressed_fast", "pack_at_load_fast")
 PROMPTS = ["hello world", "The quick brown fox", "def forward(self, x):", "memory bandwidth is the"]
@@ -116,7 +124,13 @@ def _prepare(size: str, workdir: Path) -> tuple[Path, Path, dict]:
     info = {}
     if not (bf16 / "config.json").exists():
         t = time.perf_counter()
-        build_tiny_model(bf16, "llama", **SIZES[size])
+        spec = dict(SIZES[size])
+        if "zoo" in spec:
+            from zipserv_vllm.testing.zoo import build_zoo_model
+
+            build_zoo_model(bf16, spec.pop("zoo"), **spec)
+        else:
+            build_tiny_model(bf16, "llama", **spec)
         info["build_s"] = round(time.perf_counter() - t, 1)
     if not (zs / "config.json").exists():
         t = time.perf_counter()

@@ -111,11 +111,12 @@ def _bert_st(path: Path, seed: int, std: float) -> None:
     (path / "3_Normalize").mkdir(exist_ok=True)
 
 
-def _moe(path: Path, seed: int, std: float, kind: str) -> None:
+def _moe(path: Path, seed: int, std: float, kind: str, config: dict | None = None) -> None:
     ids = _tokenizer(path)
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
                   rms_norm_eps=1e-6)
+    common.update(config or {})
     if kind == "qwen3-moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -125,7 +126,7 @@ def _moe(path: Path, seed: int, std: float, kind: str) -> None:
     else:
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        cfg = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128, **common)
+        cfg = MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128, **common})
         model = MixtralForCausalLM(cfg)
     _init(model, seed, std)
     _save(model, path, ids)
@@ -211,10 +212,13 @@ def _paligemma(path: Path, seed: int, std: float) -> None:
     _save(model, path, ids)
 
 
-def build_zoo_model(path, kind: str, *, seed: int = 0, std: float = 0.08) -> Path:
-    """Write the tiny ``kind`` checkpoint (one of :data:`KINDS`) into ``path`` and return it."""
+def build_zoo_model(path, kind: str, *, seed: int = 0, std: float = 0.08, config: dict | None = None) -> Path:
+    """Write the tiny ``kind`` checkpoint (one of :data:`KINDS`) into ``path`` and return it.
+    ``config`` overrides the mixtures of experts' config fields (e.g. a larger model for benchmarks)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if config and kind not in ("qwen3-moe", "mixtral"):
+        raise ValueError(f"config overrides are for the mixtures of experts only, not {kind!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if kind in ("gpt2", "gpt2-seqcls"):
@@ -222,7 +226,7 @@ def build_zoo_model(path, kind: str, *, seed: int = 0, std: float = 0.08) -> Pat
     elif kind == "bert-st":
         _bert_st(path, seed, std)
     elif kind in ("qwen3-moe", "mixtral"):
-        _moe(path, seed, std, kind)
+        _moe(path, seed, std, kind, config)
     elif kind == "clip":
         _clip(path, seed, std)
     elif kind == "paligemma":
