@@ -167,3 +167,33 @@ def test_repack_cpu_releases_each_v1_page_once_its_layers_are_repacked(monkeypat
         assert st.arena is new and all(isinstance(p, PackedTensor) for p in st.parts)
         assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
     assert loading.repack_cpu(states, new, PagedArena()) == 0  # already packed: nothing to do
+
+
+def test_repack_cpu_moves_layers_already_packed_beside_v1_ones():
+    """A pre-compressed checkpoint's v1 layers and MoE experts packed at load share one arena: the
+    repack retires that arena whole, moving the packed layers unchanged (no page left untracked)."""
+    from zipserv_vllm.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    from zipserv_vllm.format.cpu_layout import PackedTensor
+    from zipserv_vllm.vllm_plugin import loading
+
+    old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
+    weights, states = [], []
+    for i in range(4):
+        w = _w(128, 200, seed=10 + i)
+        st = loading.LayerState(prefix=f"l{i}", kind="linear", rows=128, cols=200, device=torch.device("cpu"),
+                                expected_shards=[None])
+        if i % 2:  # packed at load
+            loading.pack_layer(st, w, old, packed=True)
+        else:
+            st.arena, st.tables, st.part_shapes = old, [store_compressed(old, compress_tensor(w))], [(128, 200)]
+            st.bind()
+        weights.append(w)
+        states.append(st)
+    assert loading.repack_cpu(states, old, new) == 2  # the two v1 layers were repacked
+    assert old.num_pages == 0
+    for w, st in zip(weights, states):
+        assert st.arena is new and isinstance(st.parts[0], PackedTensor)
+        assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))

@@ -18,9 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from zs_e2e import FAST_LOGPROB_TOL, max_score_diff
+from zs_e2e import max_score_diff, run_engine
 
 HERE = Path(__file__).parent
+# Fast mode computes each routed expert with the fused CPU kernel: its GEMM outputs are rounded to
+# BF16 before the activation and the weighted sum (vLLM's expert kernel keeps them in fp32) and SiLU
+# uses the exact exp, so expert outputs differ by about one BF16 ulp (measured: 0.0024 at a magnitude
+# of 0.48). Routing amplifies that: a token near a tie between two experts may switch experts. On the
+# tiny Mixtral the teacher-forced logprobs then differed by at most 0.216 nats (measured; dense models
+# stay under FAST_LOGPROB_TOL = 0.1). MOE_FAST_LOGPROB_TOL leaves a 1.4x margin; the negative control
+# (one 64x64 tile of one expert's gate weights replaced) moved them by 0.85 nats and must exceed 2x it.
+MOE_FAST_LOGPROB_TOL = 0.3
 EXPERTS, LAYERS = 4, 2  # the zoo's tiny Mixtral (zipserv_vllm/testing/zoo.py): intermediate size 128, so each
 # TP=2 rank's expert slices (w13 128 x 64, w2 64 x 64) are whole tiles and still compress
 
@@ -56,7 +64,7 @@ def test_compiled_exact_identical_and_fast_within_bound(vllm_env, moe_dirs, tmp_
         assert len(expert_parts(run["memory"])) == 2 * EXPERTS * LAYERS  # w13 and w2 of every expert
     assert exact["tokens"] == base["tokens"]
     assert exact["logprobs"] == base["logprobs"]
-    assert max_score_diff(fast, base) <= FAST_LOGPROB_TOL
+    assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
 
 
 def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
@@ -90,3 +98,27 @@ def test_expert_updates_after_loading_are_refused_with_one_line(vllm_env, moe_di
             llm.apply_model(lambda m: m.load_weights(iter(new)))
     finally:
         _release(llm)
+
+
+def test_fast_mode_bound_catches_one_wrong_expert_tile(vllm_env, moe_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bf16, _ = moe_dirs
+    bad = tmp_path / "bad"
+    shutil.copytree(bf16, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    w = t[name].clone()
+    w[:64, :64] = (torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.08).to(torch.bfloat16)
+    t[name] = w
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    base = run_engine(bf16, chat=False, score="self")
+    monkeypatch.setenv("ZIPSERV_MODE", "fast")
+    fast = run_engine(bf16, chat=False, quantization="zipserv", score=base["score_seqs"])
+    wrong = run_engine(bad, chat=False, quantization="zipserv", score=base["score_seqs"])
+    assert len(expert_parts(fast["memory"])) == 2 * EXPERTS * LAYERS
+    assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
+    assert max_score_diff(wrong, base) > 2 * MOE_FAST_LOGPROB_TOL

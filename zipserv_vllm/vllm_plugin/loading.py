@@ -685,12 +685,16 @@ def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> in
         return {e.slot.page for t in st.tables for e in t.entries.values()}
 
     held = [st for st in states if st.arena is old and st.tables]
-    todo = [st for st in held if not all("tiles" in t.entries for t in st.tables)]
+    repack = sum(1 for st in held if not all("tiles" in t.entries for t in st.tables))
+    if not repack:
+        return 0
+    # Layers already in the byte-split layout (packed at load, e.g. MoE experts beside v1 layers of a
+    # pre-compressed checkpoint) move along, copied as they are: ``old`` is retired as a whole.
     users: dict[int, int] = {}  # layers (repacked or not) with arrays in each page
     for st in held:
         for page in pages(st):
             users[page] = users.get(page, 0) + 1
-    todo.sort(key=lambda st: min(e.slot.page for t in st.tables for e in t.entries.values()))
+    todo = sorted(held, key=lambda st: min(e.slot.page for t in st.tables for e in t.entries.values()))
     for st in todo:
         used = pages(st)
         tables = []
@@ -705,4 +709,4 @@ def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> in
             users[page] -= 1
             if users[page] == 0:
                 old.release(page)
-    return len(todo)
+    return repack

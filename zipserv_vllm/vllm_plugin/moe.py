@@ -11,8 +11,10 @@ tensor-parallel slices and the expert ids), then compresses every expert's
 ``w13`` and ``w2`` into the paged arena, one TCA-TBE v1 matrix each, and drops
 the BF16 copies. ``apply`` decodes the experts and hands them, through vLLM's
 own weight preparation (padding, prepacking) to vLLM's own expert kernel, so the
-result is bit-identical to the BF16 model's. This is the exact path; fast mode
-uses it too for now (a fused per-expert kernel is issue 13's next step).
+result is bit-identical to the BF16 model's (exact mode). Fast mode runs each
+routed expert's two GEMMs with the fused CPU kernel straight from the
+compressed bytes, over the tokens routed to it (SiLU-gated experts without
+expert parallelism; others take the exact path).
 
 Both ways in reach it: a BF16 checkpoint with ``--quantization zipserv`` and a
 zipserv checkpoint (whose experts are stored BF16: ``zipserv compress`` keeps
@@ -96,13 +98,14 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         states = []
         if why is None:
             arena = self.zs_config.arena(w13.device)
+            packed = loading.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
             try:
                 for which, w in (("w13", w13), ("w2", w2)):
                     for e in range(w.shape[0]):
                         st = loading.LayerState(prefix=f"{self.zs_prefix}.{e}.{which}", kind="linear",
                                                 rows=w.shape[1], cols=w.shape[2], device=w.device,
                                                 expected_shards=[], layer_ref=weakref.ref(layer))
-                        loading.pack_layer(st, w[e], arena)
+                        loading.pack_layer(st, w[e], arena, packed=packed)
                         states.append(st)
             except (TypeError, ValueError) as exc:
                 why = str(exc)
@@ -140,6 +143,42 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
 
     def compute(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """The experts' output for ``x`` (eager; inside ``zipserv::moe_experts``)."""
+        if self.zs_config.mode == "fast" and getattr(layer.activation, "value", None) == "silu" \
+                and layer.expert_map is None:
+            return self._compute_fast(layer, x, topk_weights, topk_ids)
+        return self._compute_exact(layer, x, topk_weights, topk_ids)
+
+    def _compute_fast(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        """Fast mode: each routed expert's two GEMMs straight from its compressed bytes
+        (``zipserv_vllm.linear``, the fused CPU kernel), over the tokens routed to it; only the
+        routed experts are read. Same numbers as vLLM's kernel up to summation order and its
+        approximate exp in SiLU (the fast-mode logprob bound, tests/vllm/test_moe.py)."""
+        from ..kernels import ops
+
+        states = moe_states(layer)
+        n_exp, inter = len(states) // 2, self._shapes[0][1] // 2
+        k = topk_ids.shape[-1]
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_exp).tolist()
+        tokens, weights = order // k, topk_weights.reshape(-1).to(torch.float32)[order]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            idx, w = tokens[start:start + c], weights[start:start + c, None]
+            start += c
+            xe = x.index_select(0, idx)
+            if layer.apply_router_weight_on_input:
+                xe = (xe * w).to(x.dtype)
+            h = ops.linear(xe, states[e].parts[0], None, mode="fast")
+            act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
+            y = ops.linear(act, states[n_exp + e].parts[0], None, mode="fast").float()
+            out.index_add_(0, idx, y if layer.apply_router_weight_on_input else y * w)
+        return out.to(x.dtype)
+
+    def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         from .methods import _decode
 
         states = moe_states(layer)
