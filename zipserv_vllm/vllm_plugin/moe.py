@@ -153,7 +153,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         (``zipserv_vllm.linear``, the fused CPU kernel), over the tokens routed to it; only the
         routed experts are read. Same numbers as vLLM's kernel up to summation order and its
         approximate exp in SiLU (the fast-mode logprob bound, tests/vllm/test_moe.py)."""
-        from ..kernels import ops
+        from .methods import compressed_linear
 
         states = moe_states(layer)
         n_exp, inter = len(states) // 2, self._shapes[0][1] // 2
@@ -172,19 +172,19 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             xe = x.index_select(0, idx)
             if layer.apply_router_weight_on_input:
                 xe = (xe * w).to(x.dtype)
-            h = ops.linear(xe, states[e].parts[0], None, mode="fast")
+            h = compressed_linear(states[e], xe, None, "fast")
             act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
-            y = ops.linear(act, states[n_exp + e].parts[0], None, mode="fast").float()
+            y = compressed_linear(states[n_exp + e], act, None, "fast").float()
             out.index_add_(0, idx, y if layer.apply_router_weight_on_input else y * w)
         return out.to(x.dtype)
 
     def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
-        from .methods import _decode
+        from .methods import _full_weight
 
         states = moe_states(layer)
         (e, i2, h), (_, h2, i) = self._shapes
-        w13 = torch.stack([_decode(st.parts[0]) for st in states[:e]])
-        w2 = torch.stack([_decode(st.parts[0]) for st in states[e:]])
+        w13 = torch.stack([_full_weight(st) for st in states[:e]])
+        w2 = torch.stack([_full_weight(st) for st in states[e:]])
         assert w13.shape == (e, i2, h) and w2.shape == (e, h2, i)
         w = _Weights(w13, w2)
         kernel = self.moe_kernel
