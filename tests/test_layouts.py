@@ -87,15 +87,13 @@ def test_names_that_vllm_does_not_quantize_stay_plain(zoo, tmp_path):
         "gpt2-seqcls": ["score.weight"],
         "bert-st": ["embeddings.word_embeddings.weight", "embeddings.token_type_embeddings.weight",
                     "embeddings.position_embeddings.weight", "pooler.dense.weight"],
-        "qwen3-moe": [f"model.layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2) for e in range(4)
-                      for w in ("gate_proj", "up_proj", "down_proj")] + [f"model.layers.{i}.mlp.gate.weight"
-                                                                         for i in range(2)],
-        "mixtral": [f"model.layers.{i}.block_sparse_moe.experts.{e}.w{j}.weight" for i in range(2) for e in range(4)
-                    for j in (1, 2, 3)] + [f"model.layers.{i}.block_sparse_moe.gate.weight" for i in range(2)]
+        # the routers stay plain; the routed experts are compressed (vllm_plugin/moe.py loads them by tile)
+        "qwen3-moe": [f"model.layers.{i}.mlp.gate.weight" for i in range(2)],
+        "mixtral": [f"model.layers.{i}.block_sparse_moe.gate.weight" for i in range(2)]
         + ["model.embed_tokens.weight"],  # vLLM's Mixtral builds it without the quantization method
     }
-    compressed = {"bert-st": "encoder.layer.0.attention.self.query", "qwen3-moe": "model.layers.0.self_attn.q_proj",
-                  "mixtral": "model.layers.0.self_attn.q_proj", "gpt2-seqcls": "transformer.h.1.mlp.c_fc"}
+    compressed = {"bert-st": "encoder.layer.0.attention.self.query", "qwen3-moe": "model.layers.0.mlp.experts.3.up_proj",
+                  "mixtral": "model.layers.1.block_sparse_moe.experts.0.w2", "gpt2-seqcls": "transformer.h.1.mlp.c_fc"}
     for kind, plain in cases.items():
         dst = tmp_path / kind
         rep = compress_checkpoint(zoo[kind], dst, progress=False)
@@ -109,8 +107,14 @@ def test_names_that_vllm_does_not_quantize_stay_plain(zoo, tmp_path):
         assert compressed[kind] + ".zs_sm" in got, kind
         assert verify_checkpoint(dst, zoo[kind], progress=False).ok
     why = dict(compress_checkpoint(zoo["mixtral"], tmp_path / "m2", progress=False).kept_bf16)
-    assert "fused MoE" in why["model.layers.0.block_sparse_moe.experts.0.w1.weight"]
     assert "without the quantization method" in why["model.layers.0.block_sparse_moe.gate.weight"]
+    # experts of an architecture not tested end to end, and per-expert fused gate_up, stay plain with a reason
+    olmoe = {"architectures": ["OlmoeForCausalLM"], "num_experts": 4}
+    plan = plan_weight("model.layers.0.mlp.experts.0.gate_proj.weight", (128, 64), olmoe)
+    assert plan.action == "plain" and "has not tested" in plan.reason and "MixtralForCausalLM" in plan.reason
+    plan = plan_weight("model.layers.0.mlp.experts.0.gate_up_proj.weight", (256, 64),
+                       {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4})
+    assert plan.action == "plain" and "splits itself" in plan.reason
     assert "MixtralForCausalLM" in why["model.embed_tokens.weight"]
 
 

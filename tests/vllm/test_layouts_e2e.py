@@ -6,7 +6,8 @@
 * a sentence-transformers BERT (``1_Pooling``, ``2_Dense``, ``3_Normalize``) in
   the pooling runner: embeddings of the Dense projection's width, identical;
 * mixtures of experts (Qwen3-MoE, Mixtral): attention, embeddings and the routed
-  experts compressed (routers BF16), outputs identical (more in test_moe.py);
+  experts compressed (routers BF16), read by tile from a zipserv checkpoint, also one that
+  holds some experts BF16; outputs identical (more in test_moe.py);
 * a sharded PyTorch ``.bin`` checkpoint: packed at load, and compressed to safetensors;
 * a vision-language model: CLIP in the pooling runner, text and image requests
   (the vision tower's linear layers compressed). A generative VLM (PaliGemma,
@@ -99,6 +100,10 @@ def test_mixture_of_experts_loads_and_matches(vllm_env, zoo, kind, caplog):
             f"model.layers.{i}.{moe}.experts.{e}.{w}" for i in range(2) for e in range(4) for w in ("w13", "w2"))
         assert mem["layers_compressed"] >= 4 + 16  # + q/o projections of both layers, embedding, lm_head
         assert mem["total_bytes"] < 0.85 * base["memory"]["total_bytes"]  # measured resident bytes
+    # the checkpoint's compressed experts were read by tile (vLLM's expert loader recorded them), not re-encoded
+    for run, way in ((pre, "tiles"), (pack, "packed")):
+        paths = {k: v for k, v in run["memory"]["layer_paths"].items() if ".experts." in k}
+        assert len(paths) == 16 and set(paths.values()) == {way}, paths
 
 
 def test_bin_checkpoint(vllm_env, zoo):
@@ -133,24 +138,32 @@ def test_clip_text_and_image_embeddings(vllm_env, zoo):
     assert mem["layers_compressed"] == 16  # 2 towers x 2 layers x (qkv, out_proj, fc1, fc2)
 
 
-def test_compressed_experts_are_refused_with_one_line(vllm_env, zoo, tmp_path):
-    """A checkpoint whose MoE experts were compressed (as zipserv-vllm 0.1 wrote them) cannot be
-    served: the preflight says so, naming the tensor, before vLLM fails inside its MoE loader."""
+def test_experts_stored_partly_bf16(vllm_env, zoo, tmp_path):
+    """A zipserv checkpoint may hold some experts BF16 (as zipserv-vllm 0.2 wrote every expert, or
+    after decompressing one tensor): expert 1's up_proj and all of expert 2 are BF16 here. They are
+    encoded at load (expert 1's w13 re-encoded from its decoded gate rows and BF16 up rows), the
+    rest read by tile; outputs stay identical."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from vllm import LLM
 
-    from zipserv_vllm import compress_tensor
+    from zipserv_vllm.codec import decompress_tensor
+    from zipserv_vllm.format import CompressedTensor, spec
 
-    d = tmp_path / "old"
-    shutil.copytree(zoo["qwen3-moe"][1], d)
+    bf16, zs = zoo["qwen3-moe"]
+    d = tmp_path / "mixed"
+    shutil.copytree(zs, d)
     f = d / "model.safetensors"
     t = load_file(str(f))
-    name = "model.layers.0.mlp.experts.1.up_proj"
-    ct = compress_tensor(t.pop(name + ".weight"), checksums=True)
-    t.update({f"{name}.{s}": a for s, a in ct.arrays().items()})
+    for name in ("model.layers.0.mlp.experts.1.up_proj",
+                 *(f"model.layers.0.mlp.experts.2.{w}" for w in ("gate_proj", "up_proj", "down_proj"))):
+        arrays = {s: t.pop(f"{name}.{s}") for s in spec.ALL_SUFFIXES if f"{name}.{s}" in t}
+        t[f"{name}.weight"] = decompress_tensor(CompressedTensor.from_arrays(arrays))
     save_file(t, str(f), metadata={"format": "pt"})
-    with pytest.raises(Exception, match=rf"zipserv: {name}\.weight is stored compressed, but it is a "
-                                        r"mixture-of-experts expert"):
-        LLM(model=str(d), **ENGINE_KW)
+    base, mixed = run_engine(bf16, chat=False), run_engine(d, chat=False)
+    _same(base, mixed)
+    paths = {k: v for k, v in mixed["memory"]["layer_paths"].items() if ".experts." in k}
+    e = "model.layers.0.mlp.experts"
+    assert len(paths) == 16
+    assert {k: v for k, v in paths.items() if v != "tiles"} == {
+        f"{e}.1.w13": "re-encoded", f"{e}.2.w13": "packed", f"{e}.2.w2": "packed"}

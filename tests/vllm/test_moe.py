@@ -67,6 +67,20 @@ def test_compiled_exact_identical_and_fast_within_bound(vllm_env, moe_dirs, tmp_
     assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
 
 
+def test_checkpoint_stores_the_experts_compressed(moe_dirs):
+    from safetensors import safe_open
+
+    _, zs = moe_dirs
+    with safe_open(str(zs / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for i in range(LAYERS):
+        for e in range(EXPERTS):
+            for w in ("w1", "w2", "w3"):
+                stem = f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}"
+                assert f"{stem}.zs_sm" in names and f"{stem}.weight" not in names
+        assert f"model.layers.{i}.block_sparse_moe.gate.weight" in names  # the router stays BF16
+
+
 def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
     bf16, zs = moe_dirs
     runs = _worker("tp_worker.py", tmp_path / "tp.json", f"base={bf16}", f"pre={zs}", f"pack={bf16},zipserv",
@@ -78,8 +92,82 @@ def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
         assert len(mems) == 2  # one report per rank
         for mem in mems:
             assert len(expert_parts(mem)) == 2 * EXPERTS * LAYERS
+            if way == "pre":  # each rank read its half of every expert by tile: nothing re-encoded
+                assert {v for k, v in mem["layer_paths"].items() if ".experts." in k} == {"tiles"}
         # each rank holds its half of every expert
         assert mems[0]["compressed_bf16_bytes"] == mems[1]["compressed_bf16_bytes"]
+
+
+def test_tp2_split_off_the_tiles_is_reencoded_and_identical(vllm_env, tmp_path):
+    """Intermediate size 192: each TP=2 rank's expert slice is 96 rows (w1/w3) or columns (w2),
+    not whole 64-element tiles, so each rank decodes those shards, splits them with vLLM's expert
+    loader and encodes its slice (one log line per layer)."""
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.zoo import build_zoo_model
+
+    bf16 = build_zoo_model(tmp_path / "m", "mixtral", config={"intermediate_size": 192})
+    zs = compress_checkpoint(bf16, tmp_path / "m-zs", progress=False).dst
+    runs = _worker("tp_worker.py", tmp_path / "tp.json", f"base={bf16}", f"pre={zs}", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    assert runs["pre"]["tokens"] == runs["base"]["tokens"]
+    assert runs["pre"]["logprobs"] == runs["base"]["logprobs"]
+    for mem in runs["pre"]["memory"]:
+        assert len(expert_parts(mem)) == 2 * EXPERTS * LAYERS
+        assert {v for k, v in mem["layer_paths"].items() if ".experts." in k} == {"re-encoded"}
+
+
+def _bad(moe_dirs, tmp_path, edit):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "bad"
+    shutil.copytree(moe_dirs[1], d)
+    t = load_file(str(d / "model.safetensors"))
+    edit(t)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts"
+
+
+def _drop_expert(t):
+    for k in [k for k in t if k.startswith(f"{EXPERT}.3.w2.")]:
+        del t[k]
+
+
+def _truncate_stream(t):
+    t[f"{EXPERT}.2.w1.zs_sm"] = t[f"{EXPERT}.2.w1.zs_sm"][:-100].clone()
+
+
+def _wrong_shape(t):
+    import torch
+
+    from zipserv_vllm import compress_tensor
+
+    w = (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.08).to(torch.bfloat16)
+    for k in [k for k in t if k.startswith(f"{EXPERT}.1.w3.")]:
+        del t[k]
+    t.update({f"{EXPERT}.1.w3.{s}": a for s, a in compress_tensor(w, checksums=True).arrays().items()})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_drop_expert, rf"zipserv: checkpoint tensor {EXPERT}\.3\.w2\.weight is missing \(and there are no "
+                   rf"{EXPERT}\.3\.w2\.zs_\* arrays either\): expert 3 of {EXPERT} has no w2 weights"),
+    (_truncate_stream, rf"zipserv: .*{EXPERT}\.2\.w1\.\S+"),
+    (_wrong_shape, rf"zipserv: checkpoint tensor {EXPERT}\.1\.w3\.zs_meta says shape \[64, 64\], but {EXPERT} "
+                   r"expects \[128, 64\]"),
+], ids=["missing-expert", "truncated-stream", "mismatched-shape"])
+def test_bad_expert_checkpoints_fail_with_one_line_naming_the_tensor(vllm_env, moe_dirs, tmp_path, edit, message):
+    from vllm import LLM
+
+    from zs_e2e import ENGINE_KW, _release
+
+    d = _bad(moe_dirs, tmp_path, edit)
+    with pytest.raises(Exception, match=message) as info:
+        _release(LLM(model=str(d), **ENGINE_KW))
+    first = str(info.value).strip().splitlines()[0]
+    assert "zipserv:" in first and EXPERT in first
 
 
 def test_expert_updates_after_loading_are_refused_with_one_line(vllm_env, moe_dirs):

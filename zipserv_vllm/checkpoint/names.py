@@ -80,6 +80,13 @@ def compressible(name: str, tensor_or_shape: torch.Tensor | Sequence[int]) -> bo
 # unloadable (vLLM has no ``zs_*`` parameter to put them in), so they are stored as they are.
 # Storing a weight uncompressed is always safe: zipserv then keeps that layer BF16.
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+# The per-expert matrices vLLM's expert loader (RoutedExperts) maps one by one onto its w13 / w2
+# slots; zipserv stores these compressed (vllm_plugin/moe.py loads them by tile).
+_EXPERT_SHARD = re.compile(r"(^|\.)experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# Architectures whose compressed experts are tested end to end (tests/vllm/test_moe.py,
+# test_layouts_e2e.py); the experts of others stay BF16 in a zipserv checkpoint (packing them at
+# load with --quantization zipserv works for any model vLLM builds with RoutedExperts).
+MOE_EXPERT_ARCHS = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 _ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|moe|feed_forward|mixer)\.(gate|router)\.weight$"
                      r"|(^|\.)(shared_expert_gate|router)\.weight$")
 _TORCH_HEADS = re.compile(r"(^|\.)(score|classifier|pooler|text_projection|visual_projection|multi_modal_projector"
@@ -158,8 +165,14 @@ def plan_weight(name: str, shape: Sequence[int], config: dict | None = None) -> 
         if attr in table.get(arch, {}).get("plain", ()):
             return WeightPlan("plain", f"vLLM's {arch} builds its {attr} layers without the quantization method")
     if _EXPERT.search(name):
-        return WeightPlan("plain", "a mixture-of-experts expert: vLLM runs experts in its fused MoE layer, "
-                                   "which zipserv does not compress yet")
+        if not any(a in MOE_EXPERT_ARCHS for a in archs):
+            return WeightPlan("plain", "a mixture-of-experts expert of an architecture whose compressed experts "
+                                       f"zipserv has not tested with vLLM's expert loader (tested: "
+                                       f"{', '.join(sorted(MOE_EXPERT_ARCHS))})")
+        if not _EXPERT_SHARD.search(name):
+            return WeightPlan("plain", "a mixture-of-experts expert stored in a layout vLLM's expert loader splits "
+                                       "itself (e.g. a per-expert fused gate_up_proj)")
+        return WeightPlan("compress")
     if _ROUTER.search(name) and _has_experts(config):
         return WeightPlan("plain", "a mixture-of-experts router: vLLM builds most routers without the "
                                    "quantization method")

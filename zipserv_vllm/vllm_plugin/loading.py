@@ -94,6 +94,7 @@ class LayerState:
     tied_to: "LayerState | None" = None
     done: bool = False
     path: str = ""                  # how it was loaded: tiles / re-encoded / packed / bf16
+    ckpt_prefixes: dict | None = None  # shard -> checkpoint module name, where the prefix does not give it
 
     @property
     def layer(self):
@@ -302,6 +303,8 @@ def set_packed_mapping(mapping: dict[str, list[str]]) -> None:
 def _ckpt_name(state: LayerState, shard_id, suffix: str) -> str:
     """The checkpoint tensor name of (layer, shard, suffix), e.g. ``...k_proj.zs_sm``."""
     prefix = state.prefix or "<layer>"
+    if state.ckpt_prefixes and shard_id in state.ckpt_prefixes:
+        return f"{state.ckpt_prefixes[shard_id]}.{suffix}"
     if shard_id is not None:
         head, _, last = prefix.rpartition(".")
         names = _PACKED.get(last)
@@ -524,6 +527,17 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
     return w.data
 
 
+def join_rows(plans: list[TilePlan]) -> list[TilePlan]:
+    """Stack row blocks (q/k/v, gate/up) into one matrix where the tiles allow it: a block whose
+    rows are not a multiple of the tile ends a part."""
+    groups: list[list[TilePlan]] = [[]]
+    for p in plans:
+        groups[-1].append(p)
+        if p.shape[0] % spec.TILE:
+            groups.append([])
+    return [TilePlan.cat(g) for g in groups if g]
+
+
 def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[TilePlan] | torch.Tensor | None:
     """Decide how one recorded layer is loaded (``verify``: one of VERIFY_MODES).
 
@@ -572,13 +586,7 @@ def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[Tile
             except FormatError as exc:
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'weight')}: {exc}") from None
     if fast:
-        # Join q/k/v or gate/up into one matrix where the tiles allow it.
-        groups: list[list[TilePlan]] = [[]]
-        for p in plans:
-            groups[-1].append(p)
-            if p.shape[0] % spec.TILE:
-                groups.append([])
-        plans = [TilePlan.cat(g) for g in groups if g]
+        plans = join_rows(plans)
         if sum(p.shape[0] for p in plans) > state.rows or any(p.shape[1] != state.cols for p in plans):
             raise ZipServLoadError(f"zipserv: layer {state.prefix}: the rank's tiles are "
                                    f"{[list(p.shape) for p in plans]}, the layer holds [{state.rows}, {state.cols}]")
@@ -612,7 +620,13 @@ def execute_precompressed(states: list[LayerState], arenas: Callable[[torch.devi
             st.path = "bf16"
             continue
         planned.append((st, result))
-    # Reserve everything, allocate each page once with exactly its bytes, then copy.
+    load_plans(planned, arenas, verify)
+
+
+def load_plans(planned: list[tuple[LayerState, list[TilePlan]]], arenas: Callable[[torch.device], PagedArena],
+               verify: str = "tiles") -> None:
+    """Reserve every planned layer's arrays, allocate each page once with exactly its bytes,
+    copy (checking each tile's checksum unless ``verify`` is "none"), bind and validate."""
     for st, plans in planned:
         st.arena = arenas(st.device)
         st.tables = [p.reserve(st.arena) for p in plans]

@@ -60,7 +60,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
     prepacked = sum(_prepacked(mod, storages) for mod in model.modules())
     from ..format.cpu_layout import PackedTensor
 
-    arenas, compressed, bf16, paths, equiv, parts, layouts = {}, 0, 0, {}, 0, {}, {}
+    arenas, compressed, bf16, paths, equiv, parts, layouts, by_layer = {}, 0, 0, {}, 0, {}, {}, {}
 
     def states(mod):
         st = mod.__dict__.get("_zs_state")
@@ -78,6 +78,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
             layouts[lay] = layouts.get(lay, 0) + 1
         if st.path:
             paths[st.path] = paths.get(st.path, 0) + 1
+            by_layer[st.prefix] = st.path
     param_bytes = sum(storages.values())
     arena_bytes = sum(a.allocated_bytes for a in arenas.values())
     return {
@@ -89,6 +90,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "layers_compressed": compressed,
         "layers_bf16": bf16,
         "load_paths": paths,
+        "layer_paths": by_layer,  # how each layer was loaded: tiles / re-encoded / packed / bf16
         "compressed_bf16_bytes": equiv,
         "parts": parts,  # compressed matrices per layer: 1 = one GEMM per call in fast mode
         "layouts": layouts,  # layers per in-memory layout: v1 (TCA-TBE) or bytesplit (CPU fast mode)

@@ -5,22 +5,36 @@ whose weights are ``w13_weight [E, 2I, H]`` (gate rows, then up rows) and
 ``w2_weight [E, H, I]``; its router picks ``topk_ids`` / ``topk_weights`` and
 then calls the quant method's ``apply`` (docs/VLLM-MOE-NOTES.md).
 
-:class:`ZipServMoEMethod` lets vLLM's unquantized method create and load the
-BF16 weights (so vLLM's expert weight loader does the checkpoint names, the
-tensor-parallel slices and the expert ids), then compresses every expert's
-``w13`` and ``w2`` into the paged arena, one TCA-TBE v1 matrix each, and drops
-the BF16 copies. ``apply`` decodes the experts and hands them, through vLLM's
-own weight preparation (padding, prepacking) to vLLM's own expert kernel, so the
-result is bit-identical to the BF16 model's (exact mode). Fast mode runs each
-routed expert's two GEMMs with the fused CPU kernel straight from the
-compressed bytes, over the tokens routed to it (SiLU-gated experts without
-expert parallelism; others take the exact path).
+:class:`ZipServMoEMethod` keeps vLLM's unquantized method's BF16 weights and
+expert weight loader (which does the checkpoint names, the tensor-parallel
+slices and the expert ids) and holds every local expert's ``w13`` and ``w2`` in
+the paged arena, one TCA-TBE v1 matrix each (or the CPU byte-split layout in
+CPU fast mode), dropping the BF16 copies once loaded. ``apply`` decodes the
+experts and hands them, through vLLM's own weight preparation (padding,
+prepacking), to vLLM's own expert kernel, so the result is bit-identical to the
+BF16 model's (exact mode). Fast mode runs each routed expert's two GEMMs with
+the fused CPU kernel straight from the compressed bytes, over the tokens routed
+to it (SiLU-gated experts without expert parallelism; others take the exact
+path).
 
-Both ways in reach it: a BF16 checkpoint with ``--quantization zipserv`` and a
-zipserv checkpoint (whose experts are stored BF16: ``zipserv compress`` keeps
-them plain, see zipserv_vllm/checkpoint/names.py). While loading, a MoE layer
-briefly holds its BF16 weights and vLLM's prepacked copy; once loaded, only the
-compressed bytes stay.
+Both ways in:
+
+* **pre-compressed**: ``zipserv compress`` stores each expert's ``w1``/``w3``/
+  ``w2`` (``experts.N.gate_proj`` ...) compressed (zipserv_vllm/checkpoint/names.py
+  lists the tested architectures). vLLM's expert loader maps
+  ``experts.N.w1.zs_sm`` onto the placeholder ``experts.w13_zs_sm`` exactly as it
+  maps ``experts.N.w1.weight`` onto ``experts.w13_weight``; the placeholders
+  record the (memory-mapped) arrays, and after loading each rank's tiles are
+  selected (the rank's rows of ``w1``/``w3``, its columns of ``w2``) and copied
+  into the arena with no re-encoding. A split off the 64-element tiles is decoded,
+  placed by vLLM's expert loader and re-encoded (one log line per layer). Experts a
+  checkpoint stores BF16 are encoded at load.
+* **pack at load**: a BF16 checkpoint with ``--quantization zipserv``.
+
+Every local expert's three matrices must arrive (as BF16 or as all six arrays);
+otherwise loading stops with one line naming the tensor. While loading, a MoE
+layer briefly holds its BF16 weights and vLLM's prepacked copy (vLLM's kernel
+setup prepacks them); once loaded, only the compressed bytes stay.
 """
 
 from __future__ import annotations
@@ -31,7 +45,9 @@ import weakref
 import torch
 from torch.nn import Parameter
 
+from ..format import spec
 from . import compat, loading
+from .log import logger
 
 UnquantizedFusedMoEMethod = compat.find("UnquantizedFusedMoEMethod")
 set_weight_attrs = compat.find("set_weight_attrs")
@@ -39,6 +55,8 @@ set_weight_attrs = compat.find("set_weight_attrs")
 _LAYERS: dict[int, tuple] = {}  # op key -> (weakref to the layer, its method)
 _KEYS = itertools.count()
 _MOE = "_zs_moe_states"
+_RECORDS, _ARRIVED, _GLOBAL = "_zs_moe_records", "_zs_moe_arrived", "_zs_moe_global"
+_SHARDS = ("w1", "w3", "w2")
 
 
 def moe_states(layer) -> list[loading.LayerState]:
@@ -60,6 +78,10 @@ def _(x, topk_weights, topk_ids, key):
     return torch.empty_like(x)
 
 
+class _NotSmaller(ValueError):
+    """An expert whose compressed form would not be smaller: the layer stays BF16."""
+
+
 class _Weights(torch.nn.Module):
     """The decoded experts, in the shape vLLM's expert kernel prepares them from."""
 
@@ -78,15 +100,124 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         self.zs_prefix = prefix
         config.expect_moe()
 
+    # ------------------------------------------------------------- creation
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        """vLLM's BF16 expert weights, their loader wrapped to note which experts arrive, and, for a
+        zipserv checkpoint, 0-size placeholders ``w13_zs_*`` / ``w2_zs_*`` that vLLM's expert loader
+        fills with each expert's compressed arrays (``experts.N.w1.zs_sm`` maps to ``experts.w13_zs_sm``
+        as ``experts.N.w1.weight`` maps to ``experts.w13_weight``): recorded, read by tile later."""
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs)
+        layer.__dict__[_ARRIVED] = set()  # (local expert, shard) loaded as BF16
+        layer.__dict__[_RECORDS] = {}     # (local expert, shard) -> {suffix: checkpoint tensor}
+        layer.__dict__[_GLOBAL] = {}      # local expert -> its id in the checkpoint
+        for which in ("w13", "w2"):
+            param = getattr(layer, f"{which}_weight")
+            orig = param.weight_loader
+            param.weight_loader = self._bf16_loader(layer, orig)
+            layer.__dict__[f"_zs_{which}_loader"] = orig
+        if not self.zs_config.precompressed:
+            return
+        for which in ("w13", "w2"):
+            for suffix in loading.ALL_SUFFIXES:
+                p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[suffix]), requires_grad=False)
+                layer.register_parameter(f"{which}_{suffix}", p)
+                set_weight_attrs(p, {"weight_loader": self._array_recorder(layer, suffix)})
+
+    @staticmethod
+    def _local(layer, expert_id: int) -> int:
+        emap = layer.expert_map
+        return int(expert_id) if emap is None else int(emap[int(expert_id)])
+
+    def _bf16_loader(self, layer, orig):
+        def zipserv_expert_bf16_loader(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None,
+                                       return_success=False, **kw):
+            ok = orig(param, loaded_weight, weight_name, shard_id=shard_id, expert_id=expert_id,
+                      return_success=True, **kw)
+            if ok is not False and shard_id is not None and expert_id is not None:
+                if loaded_weight.dim() == 3:  # all experts of a shard in one tensor
+                    layer.__dict__[_ARRIVED].update((e, shard_id) for e in range(param.shape[0]))
+                else:
+                    local = self._local(layer, expert_id)
+                    layer.__dict__[_ARRIVED].add((local, shard_id))
+                    layer.__dict__[_GLOBAL][local] = int(expert_id)
+            return ok if return_success else None
+
+        return zipserv_expert_bf16_loader
+
+    def _array_recorder(self, layer, suffix: str):
+        def zipserv_expert_record_loader(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None,
+                                         return_success=False, **kw):
+            if layer.__dict__.get(_MOE) is not None or getattr(layer, "_zs_moe_plain", False):
+                return self._refuse_update(param, loaded_weight)
+            local = self._local(layer, expert_id)
+            if local < 0:  # another rank's expert (expert parallelism)
+                return False if return_success else None
+            layer.__dict__[_GLOBAL][local] = int(expert_id)
+            got = layer.__dict__[_RECORDS].setdefault((local, shard_id), {})
+            if suffix in got:
+                raise loading.ZipServLoadError(
+                    f"zipserv: {self._ckpt(layer, local, shard_id)}.{suffix} appears twice in the checkpoint")
+            got[suffix] = loaded_weight
+            return True if return_success else None
+
+        return zipserv_expert_record_loader
+
+    @staticmethod
+    def _global(layer, local: int) -> int:
+        """The checkpoint's id of local expert ``local``."""
+        glob = layer.__dict__.get(_GLOBAL, {}).get(local)
+        if glob is None:
+            emap = layer.expert_map
+            glob = local if emap is None else int((emap == local).nonzero()[0, 0])
+        return glob
+
+    def _ckpt(self, layer, local: int, shard: str) -> str:
+        """The checkpoint module name of a local expert's shard, e.g. ``...experts.3.w1``."""
+        names = {"w1": getattr(layer, "ckpt_gate_proj_name", "w1"), "w3": getattr(layer, "ckpt_up_proj_name", "w3"),
+                 "w2": getattr(layer, "ckpt_down_proj_name", "w2")}
+        return f"{self.zs_prefix}.{self._global(layer, local)}.{names[shard]}"
+
+    # ----------------------------------------------------------- processing
     def process_weights_after_loading(self, layer) -> None:
         if layer.__dict__.get(_MOE) is not None or getattr(layer, "_zs_moe_plain", False):
             return
         try:
             self._compress(layer)
+        except Exception as exc:
+            from .errors import report
+
+            raise report(exc)
         finally:
             self.zs_config.moe_done()
+            layer.__dict__.pop(_RECORDS, None)  # drop the checkpoint views (unmaps the files)
+
+    def _check_complete(self, layer) -> None:
+        """Every local expert's w1, w3 and w2 arrived, as BF16 or as all six compressed arrays."""
+        records, arrived = layer.__dict__.get(_RECORDS, {}), layer.__dict__.get(_ARRIVED, set())
+        n = layer.w13_weight.shape[0]
+        for e in range(n):
+            for shard in _SHARDS:
+                got = records.get((e, shard))
+                name = self._ckpt(layer, e, shard)
+                if got is None:
+                    if (e, shard) not in arrived:
+                        raise loading.ZipServLoadError(
+                            f"zipserv: checkpoint tensor {name}.weight is missing (and there are no {name}.zs_* "
+                            f"arrays either): expert {self._global(layer, e)} of {self.zs_prefix} has no {shard} weights")
+                    continue
+                if (e, shard) in arrived:
+                    raise loading.ZipServLoadError(
+                        f"zipserv: {name}.weight is stored both uncompressed and compressed ({name}.zs_*)")
+                missing = [x for x in loading.SUFFIXES if x not in got]
+                if missing:
+                    raise loading.ZipServLoadError(
+                        f"zipserv: checkpoint tensor {name}.{missing[0]} is missing (a compressed expert needs "
+                        f"{', '.join(name + '.' + x for x in loading.SUFFIXES)})")
 
     def _compress(self, layer) -> None:
+        self._check_complete(layer)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         why = None
         if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
@@ -95,27 +226,25 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             why = "experts with biases"
         elif w13.device.type != "cpu":
             why = "compressed experts run on the CPU backend only so far"
-        states = []
+        states: list[loading.LayerState] = []
         if why is None:
-            arena = self.zs_config.arena(w13.device)
-            packed = loading.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
             try:
-                for which, w in (("w13", w13), ("w2", w2)):
-                    for e in range(w.shape[0]):
-                        st = loading.LayerState(prefix=f"{self.zs_prefix}.{e}.{which}", kind="linear",
-                                                rows=w.shape[1], cols=w.shape[2], device=w.device,
-                                                expected_shards=[], layer_ref=weakref.ref(layer))
-                        loading.pack_layer(st, w[e], arena, packed=packed)
-                        states.append(st)
-            except (TypeError, ValueError) as exc:
+                states = self._load_experts(layer)
+            except _NotSmaller as exc:
                 why = str(exc)
         if why is not None:
+            # Served BF16: compressed experts of a zipserv checkpoint are decoded into vLLM's weights,
+            # and any arena pages already filled for this layer are given back.
+            for (e, shard) in layer.__dict__.get(_RECORDS, {}):
+                self._decode_into(layer, e, shard)
+            for arena in {id(st.arena): st.arena for st in states if st.arena is not None}.values():
+                loading._release_unused(arena, {x.slot.page for st in states if st.arena is arena
+                                                for t in st.tables for x in t.entries.values()})
             layer._zs_moe_plain = True
             self.zs_config.note_plain(self.zs_prefix or "<experts>", why)
             super().process_weights_after_loading(layer)
             return
         for st in states:
-            st.path = "packed"
             self.zs_config.register_state(st)
         layer.__dict__[_MOE] = states
         self._shapes = (tuple(w13.shape), tuple(w2.shape))
@@ -127,6 +256,117 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             set_weight_attrs(empty, {"weight_loader": self._refuse_update})
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
+
+    def _load_experts(self, layer) -> list[loading.LayerState]:
+        """Every local expert's ``w13`` and ``w2`` into the arena, one LayerState each: by tile from
+        the checkpoint's compressed arrays (the rank's slice selected where it falls on tiles), else
+        packed from the BF16 weights vLLM loaded (compressed shards decoded into them first). The BF16
+        weights then hold every expert, for vLLM's kernel setup."""
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        records = layer.__dict__.get(_RECORDS, {})
+        arena = self.zs_config.arena(w13.device)
+        packed = loading.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
+        states, planned = [], []
+        for which, w in (("w13", w13), ("w2", w2)):
+            shards = ("w1", "w3") if which == "w13" else ("w2",)
+            for e in range(w.shape[0]):
+                st = loading.LayerState(prefix=f"{self.zs_prefix}.{self._global(layer, e)}.{which}", kind="linear", rows=w.shape[1],
+                                        cols=w.shape[2], device=w.device, expected_shards=list(shards),
+                                        layer_ref=weakref.ref(layer),
+                                        ckpt_prefixes={sh: self._ckpt(layer, e, sh) for sh in shards})
+                states.append(st)
+                plans = self._tile_plans(layer, st, e, shards) if all((e, sh) in records for sh in shards) else None
+                if plans is not None:
+                    st.path = "tiles"
+                    planned.append((st, plans))
+                    continue
+                for sh in shards:
+                    if (e, sh) in records:
+                        self._decode_into(layer, e, sh)
+                try:
+                    loading.pack_layer(st, w[e], arena, packed=packed)
+                except ValueError as exc:
+                    raise _NotSmaller(f"{st.prefix}: {exc}") from None
+                st.path = "packed" if not any((e, sh) in records for sh in shards) else "re-encoded"
+        off = layer.__dict__.pop("_zs_moe_offtile", None)
+        if off is not None:
+            logger.info("zipserv: %s: rank %d's expert slices are not on %d-element tiles (e.g. %s: dim %d, start %d, "
+                        "length %d); decoding, splitting with vLLM's expert loader and re-encoding them", self.zs_prefix,
+                        off[4], spec.TILE, *off[:4])
+        loading.load_plans(planned, self.zs_config.arena, self.zs_config.verify)
+        from .methods import _full_weight
+
+        for st, _ in planned:  # vLLM's kernel setup below prepacks the BF16 weights
+            e = int(st.__dict__["_zs_local"])
+            (w13 if st.prefix.endswith(".w13") else w2)[e].copy_(_full_weight(st))
+        return states
+
+    def _expert_ct(self, layer, st: loading.LayerState, e: int, shard: str):
+        """The checkpoint's compressed shard of local expert ``e``, checked against the layer's sizes."""
+        from ..format import FormatError
+
+        ct = loading._shard_ct(st, shard, layer.__dict__[_RECORDS][(e, shard)])
+        hidden, inter = layer.w2_weight.shape[1], layer.w2_weight.shape[2]
+        tp = self.moe.moe_parallel_config.tp_size
+        want = (hidden, inter * tp) if shard == "w2" else (inter * tp, hidden)
+        if tuple(ct.shape) != want:
+            raise loading.ZipServLoadError(
+                f"zipserv: checkpoint tensor {loading._ckpt_name(st, shard, 'zs_meta')} says shape {list(ct.shape)}, "
+                f"but {self.zs_prefix} expects {list(want)} for every expert's {shard}")
+        name = loading._ckpt_name(st, shard, "weight")
+        try:
+            ct.validate(name)
+            if self.zs_config.verify != "none":
+                if ct.check_tiles(name) and st.checked != "full":
+                    st.checked = "tiles"
+                loading._note_unchecked(st, ct, self.zs_config.verify)
+        except FormatError as exc:
+            raise loading._damaged(st, shard, exc) from None
+        return ct
+
+    def _tile_plans(self, layer, st: loading.LayerState, e: int, shards) -> list | None:
+        """The rank's tiles of expert ``e`` (gate rows then up rows for ``w13``), or None where the
+        tensor-parallel split does not fall on tiles (then decoded, split and re-encoded)."""
+        from ..format import FormatError
+        from .tiles import TilePlan
+
+        st.__dict__["_zs_local"] = e
+        tp, rank = self.moe.moe_parallel_config.tp_size, self.moe.moe_parallel_config.tp_rank
+        plans = []
+        for sh in shards:
+            ct = self._expert_ct(layer, st, e, sh)
+            dim = 1 if sh == "w2" else 0
+            local = ct.shape[dim] // tp
+            split = (dim, rank * local, local) if tp > 1 else None
+            if not loading._aligned(split, ct.shape):
+                layer.__dict__.setdefault("_zs_moe_offtile", (loading._ckpt_name(st, sh, "weight"), dim, rank * local,
+                                                              local, rank))
+                return None
+            if self.zs_config.verify == "full":
+                loading._check_full(st, sh, ct)
+            try:
+                label = loading._ckpt_name(st, sh, "zs_*")
+                plans.append(TilePlan.select(ct, *split, label=label) if split else TilePlan.select(ct, label=label))
+            except FormatError as exc:
+                raise loading.ZipServLoadError(
+                    f"zipserv: corrupt checkpoint tensor {loading._ckpt_name(st, sh, 'weight')}: {exc}") from None
+        return loading.join_rows(plans)
+
+    def _decode_into(self, layer, e: int, shard: str) -> None:
+        """Decode local expert ``e``'s compressed ``shard`` and let vLLM's expert loader place it
+        (its tensor-parallel slice) into the BF16 weights."""
+        from ..codec import decompress_tensor
+
+        which = "w2" if shard == "w2" else "w13"
+        st = loading.LayerState(prefix=self.zs_prefix, kind="linear", rows=0, cols=0, device=torch.device("cpu"),
+                                expected_shards=[shard], ckpt_prefixes={shard: self._ckpt(layer, e, shard)})
+        ct = self._expert_ct(layer, st, e, shard)
+        full = decompress_tensor(ct)
+        if self.zs_config.verify == "full":
+            loading._check_full(st, shard, ct, full)
+        glob = self._global(layer, e)
+        layer.__dict__[f"_zs_{which}_loader"](getattr(layer, f"{which}_weight"), full, f"{which}_weight",
+                                               shard_id=shard, expert_id=glob, return_success=True)
 
     def _refuse_update(self, param, loaded_weight, *args, **kwargs):
         """Weight updates after loading (reload_weights, model.load_weights) reach the experts here."""
