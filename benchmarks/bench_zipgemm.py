@@ -18,7 +18,12 @@ over cuBLAS; writes JSON (benchmarks/results/bench_zipgemm.json) and prints a
 table. Without a CUDA device it exits with status 2 and a message: there are no
 CPU numbers to fake.
 
-    python benchmarks/bench_zipgemm.py [--models llama3-8b,qwen2.5-7b] [--ns 1,8,32] [--quick]
+With ``--moe`` (or ``--moe-only``) it also times mixture-of-experts layers:
+the grouped fused kernel (one launch over the routed experts) against a BF16
+per-expert cuBLAS loop, the decoupled path and one fused launch per expert
+(``moe_rows`` in the JSON; see run_moe).
+
+    python benchmarks/bench_zipgemm.py [--models llama3-8b,qwen2.5-7b] [--ns 1,8,32] [--quick] [--moe]
 """
 
 from __future__ import annotations
@@ -105,6 +110,85 @@ def clone_ct(ct):
                             ct.fb.clone())
 
 
+# Mixture-of-experts layers for --moe: (experts, top-k, {matrix: (M, K)}) per model.
+MOE_MODELS = {
+    "qwen3-30b-a3b": (128, 8, {"w13": (1536, 2048), "w2": (2048, 768)}),
+    "mixtral-8x7b": (8, 2, {"w13": (28672, 4096), "w2": (4096, 14336)}),
+}
+MOE_TOKENS = (1, 8, 32, 128, 512)
+
+
+def run_moe(args, torch, cuda_ops, iters: int, reps: int) -> list:
+    """Grouped ZipGEMM over one MoE layer's experts vs a BF16 per-expert cuBLAS loop, side by side.
+
+    T tokens each routed to top-k distinct experts (seeded uniform routing), rows grouped per expert:
+
+    * ``bf16_loop``       : F.linear on each routed expert's BF16 weight over its rows;
+    * ``grouped_fused``   : one launch of the grouped fused kernel (cuda.grouped_gemm, path fused);
+    * ``zs_decoupled``    : per routed expert, decompress + cuBLAS;
+    * ``zs_fused_loop``   : one fused launch per routed expert (what grouping saves).
+
+    Counts are fixed per row, so every method is captured in a CUDA graph alike (no launch overhead)."""
+    import torch.nn.functional as F
+
+    from zipserv_vllm.kernels import dispatch
+
+    dev = torch.device("cuda")
+    rows_out = []
+    for model, (n_exp, top_k, mats) in MOE_MODELS.items():
+        for mat, (m, k) in mats.items():
+            w_bf16, cts = [], []
+            for e in range(n_exp):
+                w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
+                w_bf16.append(w)
+                cts.append(cuda_ops.compress_tensor_cuda(w))
+            table = cuda_ops.expert_table(cts)
+            for t in MOE_TOKENS:
+                gen = torch.Generator().manual_seed(t)
+                ids = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(t)]).reshape(-1)
+                counts = torch.bincount(ids, minlength=n_exp).tolist()
+                starts = [0]
+                for c in counts:
+                    starts.append(starts[-1] + c)
+                rows = starts[-1]
+                x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
+                er = torch.tensor(starts, dtype=torch.int32, device=dev)
+                active = [e for e in range(n_exp) if counts[e]]
+                tn = dispatch.tile_n_for(max(1, -(-rows // min(n_exp, rows))))
+
+                def loop(fn):
+                    def call():
+                        for e in active:
+                            fn(e, x[starts[e]:starts[e + 1]])
+                    return call
+
+                methods = {
+                    "bf16_loop": [loop(lambda e, xe: F.linear(xe, w_bf16[e]))],
+                    "grouped_fused": [lambda: cuda_ops.grouped_gemm(x, cts, er, table=table, path="fused", tile_n=tn)],
+                    "zs_decoupled": [loop(lambda e, xe: cuda_ops.decoupled_gemm(
+                        xe, cts[e].bitmaps, cts[e].base, cts[e].offsets, cts[e].sm, cts[e].fb, m, k, None))],
+                    "zs_fused_loop": [loop(lambda e, xe: cuda_ops.fused_gemm(
+                        xe, cts[e].bitmaps, cts[e].base, cts[e].offsets, cts[e].sm, cts[e].fb, m, k, None,
+                        dispatch.tile_n_for(xe.shape[0]), 1))],
+                }
+                secs = {key: time_calls(torch, fns, iters, reps, graph=True) for key, fns in methods.items()}
+                bf16_bytes = sum(m * k * 2 for _ in active)
+                zs_bytes = sum(cts[e].nbytes for e in active)
+                row = {"model": model, "matrix": mat, "M": m, "K": k, "experts": n_exp, "top_k": top_k, "tokens": t,
+                       "rows": rows, "active_experts": len(active), "tile_n": tn, "timing": "cuda_graph",
+                       "routed_bf16_bytes": bf16_bytes, "routed_compressed_bytes": zs_bytes, "seconds": secs,
+                       "speedup_vs_bf16_loop": {key: secs["bf16_loop"] / v for key, v in secs.items()
+                                                if key != "bf16_loop"}}
+                rows_out.append(row)
+                sp = row["speedup_vs_bf16_loop"]
+                print(f"{model:14s} {mat:4s} {m:6d}x{k:<6d} T={t:<4d} active {len(active):3d}  "
+                      f"bf16 loop {secs['bf16_loop'] * 1e6:9.1f} us  grouped fused {sp['grouped_fused']:5.2f}x  "
+                      f"decoupled {sp['zs_decoupled']:5.2f}x  fused loop {sp['zs_fused_loop']:5.2f}x", flush=True)
+            del w_bf16, cts, table
+            torch.cuda.empty_cache()
+    return rows_out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="llama3-8b,llama3-70b,qwen2.5-7b")
@@ -116,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-max-n", type=int, default=256,
                     help="time N up to this inside CUDA graphs (no launch overhead); larger N eagerly")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B only, N in 1,8,32,128,1024, fewer iterations")
+    ap.add_argument("--moe", action="store_true",
+                    help="also time the grouped kernel over MoE layers (Qwen3-30B-A3B, Mixtral-8x7B experts)")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE entries")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_zipgemm.json"))
     args = ap.parse_args(argv)
     torch, cuda_ops = need_cuda("bench_zipgemm")
@@ -141,7 +228,7 @@ def main(argv=None) -> int:
     table = dispatch.load_table(name, cc)
     rows = []
     t_start = time.time()
-    for model in models:
+    for model in ([] if args.moe_only else models):
         layers = shapes_mod.MODELS[model]
         cuda_ops.prepare(dev)
         for layer, (m, k) in layers.items():
@@ -188,6 +275,7 @@ def main(argv=None) -> int:
                       f"dispatch[{plan.path}] {sp['dispatch']:5.2f}x", flush=True)
             del ws, cts, w, ct
             torch.cuda.empty_cache()
+    moe_rows = run_moe(args, torch, cuda_ops, iters, reps) if (args.moe or args.moe_only) else []
     result = {
         "benchmark": "bench_zipgemm",
         "gpu": name, "compute_capability": f"{cc[0]}.{cc[1]}", "sm_count": sms, "l2_bytes": l2,
@@ -196,6 +284,7 @@ def main(argv=None) -> int:
         "iters": iters, "reps": reps, "statistic": "median of reps, mean per call within a rep",
         "wall_seconds": round(time.time() - t_start, 1),
         "rows": rows,
+        "moe_rows": moe_rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

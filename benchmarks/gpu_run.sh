@@ -14,6 +14,7 @@
 #      benchmarks/gpu_sanitize.py (small shapes, every kernel) -> $OUT/sanitize-*.txt
 #   3. pytest tests/gpu                                    -> $OUT/pytest-gpu.{txt,xml}
 #   4. benchmarks/bench_zipgemm.py                          -> $OUT/bench_zipgemm.json
+#      and --moe-only (grouped kernel, MoE layers)          -> $OUT/bench_zipgemm_moe.json
 #   5. benchmarks/bench_decode_e2e.py (batch 1, 8, 32)      -> $OUT/bench_decode_e2e.json
 #   6. the engine-start autotuner on Llama-3-8B shapes      -> $OUT/autotune.json
 #   7. (TUNE=1) benchmarks/tune_dispatch.py                 -> $OUT/dispatch-<gpu>.json
@@ -101,6 +102,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-200}" "$PY" benchmarks/bench_zipgemm.py ${BENCH_ARGS:-} --out "$OUT/bench_zipgemm.json" \
       > "$OUT/bench_zipgemm.txt" 2>&1
   log "bench_zipgemm exit status $?"; tail -5 "$OUT/bench_zipgemm.txt" | tee -a "$LOG"
+  log "4b. bench_zipgemm --moe-only (grouped kernel over MoE layers)"
+  timeout "${MOE_BENCH_TIMEOUT:-120}" "$PY" benchmarks/bench_zipgemm.py --moe-only --iters 10 --reps 3 \
+      --out "$OUT/bench_zipgemm_moe.json" > "$OUT/bench_zipgemm_moe.txt" 2>&1
+  log "bench_zipgemm --moe-only exit status $?"; tail -12 "$OUT/bench_zipgemm_moe.txt" | tee -a "$LOG"
   log "5. bench_decode_e2e"
   timeout "${E2E_TIMEOUT:-150}" "$PY" benchmarks/bench_decode_e2e.py ${E2E_ARGS:-} --out "$OUT/bench_decode_e2e.json" \
       > "$OUT/bench_decode_e2e.txt" 2>&1

@@ -72,6 +72,21 @@ def main() -> int:
                 y = cuda_ops.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)
                 bad += not torch.allclose(y.float(), ref, atol=5e-2, rtol=2e-2)
                 bad += not torch.allclose(zipserv_vllm.linear(x, c).float(), ref, atol=5e-2, rtol=2e-2)
+    # the grouped (mixture-of-experts) kernel: 4 experts, one of them non-canonical, empty experts, ragged rows
+    m, k = 130, 452
+    ws = [(torch.randn(m, k) * 0.02).to(torch.bfloat16).to(DEV) for _ in range(4)]
+    cts = [cuda_ops.compress_tensor_cuda(w) for w in ws]
+    cts[2] = noncanonical(cts[2])
+    counts = [3, 0, 21, 1]
+    starts = [0, 3, 3, 24, 25]
+    x = torch.randn(starts[-1], k, device=DEV).to(torch.bfloat16)
+    er = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    for tn in (8, 16, 32, 64, 128):
+        y = cuda_ops.grouped_gemm(x, cts, er, path="fused", tile_n=tn)
+        for e, c in enumerate(counts):
+            if c:
+                a, b = starts[e], starts[e + 1]
+                bad += not torch.allclose(y[a:b].float(), F.linear(x[a:b].float(), ws[e].float()), atol=5e-2, rtol=2e-2)
     torch.cuda.synchronize()
     print(f"gpu_sanitize: {bad} wrong results")
     return 1 if bad else 0

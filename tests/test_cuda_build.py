@@ -42,6 +42,8 @@ def test_every_kernel_compiles_for_every_arch_with_werror(tmp_path, monkeypatch,
         data = o.read_bytes()
         for a in archs:
             assert f"sm_{a}".encode() in data, f"{o.name} has no sm_{a} code"
+        if o.name.startswith("zipgemm_n"):  # each instance file holds the dense and the grouped (MoE) kernel
+            assert b"fused_kernel" in data and b"grouped_kernel" in data, o.name
 
 
 def test_werror_is_effective(tmp_path):

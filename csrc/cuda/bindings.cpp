@@ -59,6 +59,19 @@ void bind_kernels(py::module_& m) {
       "Fused ZipGEMM launch (split = non-empty K parts; ws holds split*N*M fp32 when split > 1)");
 
   m.def(
+      "zipgemm_grouped",
+      [](uintptr_t weights, uintptr_t expert_rows, uintptr_t x, uintptr_t y, int M, int K, int E, int rows,
+         int tile_n, int x_vec, uintptr_t stream) {
+        GroupedGemmArgs g{ptr<const uint64_t>(weights), ptr<const int32_t>(expert_rows), ptr<const uint16_t>(x),
+                          ptr<uint16_t>(y), M, K, E, rows, x_vec};
+        check(zipgemm_grouped(g, tile_n, stream), "zipgemm_grouped");
+      },
+      py::arg("weights"), py::arg("expert_rows"), py::arg("x"), py::arg("y"), py::arg("M"), py::arg("K"),
+      py::arg("E"), py::arg("rows"), py::arg("tile_n"), py::arg("x_vec"), py::arg("stream"),
+      "Grouped fused ZipGEMM (one launch over the experts): weights = int64 [E, 5] addresses of each expert's "
+      "bitmaps, base, offsets, sm, fb; expert_rows = int32 [E + 1] row starts of X [rows, K] / Y [rows, M]");
+
+  m.def(
       "decompress",
       [](uintptr_t bitmaps, uintptr_t base, uintptr_t offsets, uintptr_t sm, uintptr_t fb, uintptr_t out, int M,
          int K, uintptr_t stream) {

@@ -27,6 +27,19 @@ struct GemmArgs {
   int x_vec;                // 1 when K % 8 == 0 and x is 16-byte aligned
 };
 
+// Grouped fused ZipGEMM over the experts of a mixture-of-experts layer: for every expert e,
+// Y[r, M] = X[r, K] . W_e[M, K]^T over its rows r = expert_rows[e] .. expert_rows[e + 1] - 1
+// (X rows grouped by expert, as the router's sort gives them). No bias, no split-K.
+constexpr int kGroupedPtrs = 5;  // per expert: bitmaps, base, offsets, sm, fb (device addresses)
+struct GroupedGemmArgs {
+  const uint64_t* weights;      // [E, kGroupedPtrs] addresses of each expert's five arrays
+  const int32_t* expert_rows;   // [E + 1] row starts, non-decreasing, expert_rows[E] == rows
+  const uint16_t* x;            // bf16 [rows, K], row-major, contiguous
+  uint16_t* y;                  // bf16 [rows, M]
+  int M, K, E, rows;
+  int x_vec;                    // 1 when K % 8 == 0 and x is 16-byte aligned
+};
+
 struct DecompressArgs {
   const uint64_t* bitmaps;
   const uint8_t* base;
@@ -59,6 +72,7 @@ struct ScatterArgs {
 };
 
 int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream);
+int zipgemm_grouped(const GroupedGemmArgs& g, int tile_n, uintptr_t stream);
 int decompress(const DecompressArgs& a, uintptr_t stream);
 int encode_tiles(const EncodeArgs& a, uintptr_t stream);
 int encode_scatter(const ScatterArgs& a, uintptr_t stream);

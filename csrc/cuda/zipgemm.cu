@@ -1,6 +1,7 @@
 // Host side of the fused ZipGEMM: picks the instance for tile_n (the kernels
 // are compiled one per file, zipgemm_n*.cu, from zipgemm_kernel.cuh), launches
-// the split-K reduction, sets the kernel attributes once per device.
+// the split-K reduction or the grouped (mixture-of-experts) kernel, sets the
+// kernel attributes once per device.
 #include "device_common.cuh"
 #include "launch.h"
 
@@ -8,8 +9,9 @@ namespace zipserv {
 namespace cuda {
 // Entry points of the fused instances (zipgemm_n*.cu).
 namespace fused {
-#define ZIPSERV_FUSED_DECL(NT8)                           \
-  int launch_nt8_##NT8(const GemmArgs& a, cudaStream_t st); \
+#define ZIPSERV_FUSED_DECL(NT8)                                            \
+  int launch_nt8_##NT8(const GemmArgs& a, cudaStream_t st);                  \
+  int launch_grouped_nt8_##NT8(const GroupedGemmArgs& g, cudaStream_t st);   \
   int set_attr_nt8_##NT8();
 ZIPSERV_FUSED_DECL(1)
 ZIPSERV_FUSED_DECL(2)
@@ -53,6 +55,20 @@ int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
   const int blocks = static_cast<int>(blocks64 < 8192 ? blocks64 : 8192);
   ZS_LAUNCH(splitk_reduce, blocks, 256, 0, st)(a.ws, a.bias, a.y, mn, a.M, a.split);
   return static_cast<int>(cudaGetLastError());
+}
+
+int zipgemm_grouped(const GroupedGemmArgs& g, int tile_n, uintptr_t stream) {
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (g.M < 1 || g.K < 1 || g.E < 1 || g.E > 65535 || g.rows < 0) return static_cast<int>(cudaErrorInvalidValue);
+  if (g.rows == 0) return 0;
+  switch (tile_n) {
+    case 8: return fused::launch_grouped_nt8_1(g, st);
+    case 16: return fused::launch_grouped_nt8_2(g, st);
+    case 32: return fused::launch_grouped_nt8_4(g, st);
+    case 64: return fused::launch_grouped_nt8_8(g, st);
+    case 128: return fused::launch_grouped_nt8_16(g, st);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
 }
 
 int prepare_current_device() {

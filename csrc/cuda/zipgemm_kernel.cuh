@@ -3,7 +3,9 @@
 // fragments. Design, lane maps and the shared-memory map: docs/ZIPGEMM.md.
 //
 // Block = 4 warps over one 64-row tile row of W (warp w = medium tile w) and
-// TN = 8 * NT8 columns of X; grid = (ceil(N / TN), Mt, split parts).
+// TN = 8 * NT8 columns of X; grid = (ceil(N / TN), Mt, split parts). The
+// grouped kernel (mixtures of experts) runs the same block body over
+// (ceil(rows / TN), Mt, experts), each block on its expert's weight and rows.
 // Pipeline per K tile i (one barrier per tile):
 //   wait(all) + barrier -> counts of tile i+1 from its bit-planes (already in
 //   shared memory) -> cp.async values + X of tile i+1, bit-planes of tile
@@ -83,13 +85,12 @@ struct Fused {
 
 };
 
+// One block's work: tile row tm of W, X rows col0 .. col0 + TN - 1, K part `part`.
 template <int NT8>
-__global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
+__device__ __forceinline__ void fused_block(const GemmArgs& a, unsigned char* smem, int col0, int tm, int part) {
     using F = Fused<NT8>;
     constexpr int TN = F::TN;
-    ZS_DYNAMIC_SHARED(smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int col0 = blockIdx.x * TN, tm = blockIdx.y, part = blockIdx.z;
     const int kt_total = (a.K + kTile - 1) / kTile;
     int kb, ke;
     splitk_range(kt_total, a.split, part, &kb, &ke);
@@ -176,6 +177,31 @@ __global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
 }
 
 template <int NT8>
+__global__ void __launch_bounds__(kThreads) fused_kernel(GemmArgs a) {
+    ZS_DYNAMIC_SHARED(smem);
+    fused_block<NT8>(a, smem, blockIdx.x * (8 * NT8), blockIdx.y, blockIdx.z);
+}
+
+// Grouped (mixture of experts): grid (ceil(rows / TN), Mt, E); block z works on expert z's
+// weight and on its rows expert_rows[z] .. expert_rows[z + 1] of X and Y. Blocks past their
+// expert's rows leave at once (before any barrier, the whole block alike), so the grid depends
+// only on the total row count (CUDA-graph safe) however the tokens are routed.
+template <int NT8>
+__global__ void __launch_bounds__(kThreads) grouped_kernel(GroupedGemmArgs g) {
+    ZS_DYNAMIC_SHARED(smem);
+    const int e = blockIdx.z;
+    const int r0 = g.expert_rows[e], r1 = g.expert_rows[e + 1];
+    const int col0 = blockIdx.x * (8 * NT8);
+    if (col0 >= r1 - r0) return;
+    const uint64_t* w = g.weights + static_cast<int64_t>(e) * kGroupedPtrs;
+    const GemmArgs a{reinterpret_cast<const uint64_t*>(w[0]), reinterpret_cast<const uint8_t*>(w[1]),
+                     reinterpret_cast<const int64_t*>(w[2]), reinterpret_cast<const uint8_t*>(w[3]),
+                     reinterpret_cast<const uint16_t*>(w[4]), g.x + static_cast<int64_t>(r0) * g.K, nullptr,
+                     g.y + static_cast<int64_t>(r0) * g.M, nullptr, g.M, g.K, r1 - r0, 1, g.x_vec};
+    fused_block<NT8>(a, smem, col0, blockIdx.y, 0);
+}
+
+template <int NT8>
 inline int launch(const GemmArgs& a, cudaStream_t st) {
   constexpr int TN = 8 * NT8;
   const dim3 grid((a.N + TN - 1) / TN, (a.M + kTile - 1) / kTile, a.split);
@@ -184,15 +210,30 @@ inline int launch(const GemmArgs& a, cudaStream_t st) {
 }
 
 template <int NT8>
+inline int launch_grouped(const GroupedGemmArgs& g, cudaStream_t st) {
+  constexpr int TN = 8 * NT8;
+  const dim3 grid((g.rows + TN - 1) / TN, (g.M + kTile - 1) / kTile, g.E);
+  ZS_LAUNCH(grouped_kernel<NT8>, grid, kThreads, fused_smem_bytes(TN), st)(g);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int NT8>
 inline int set_attr() {
-  return static_cast<int>(cudaFuncSetAttribute(fused_kernel<NT8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               fused_smem_bytes(8 * NT8)));
+  int err = static_cast<int>(cudaFuncSetAttribute(fused_kernel<NT8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  fused_smem_bytes(8 * NT8)));
+  if (!err)
+    err = static_cast<int>(cudaFuncSetAttribute(grouped_kernel<NT8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                fused_smem_bytes(8 * NT8)));
+  return err;
 }
 
 
 // One instance per translation unit (zipgemm_n*.cu).
-#define ZIPSERV_FUSED_INSTANCE(NT8)                                                          \
-  int launch_nt8_##NT8(const GemmArgs& a, cudaStream_t st) { return launch<NT8>(a, st); } \
+#define ZIPSERV_FUSED_INSTANCE(NT8)                                                                    \
+  int launch_nt8_##NT8(const GemmArgs& a, cudaStream_t st) { return launch<NT8>(a, st); }           \
+  int launch_grouped_nt8_##NT8(const GroupedGemmArgs& g, cudaStream_t st) {                         \
+    return launch_grouped<NT8>(g, st);                                                              \
+  }                                                                                                 \
   int set_attr_nt8_##NT8() { return set_attr<NT8>(); }
 
 }  // namespace fused

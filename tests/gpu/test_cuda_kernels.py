@@ -279,3 +279,76 @@ def test_zipgemm_layer_shapes_all_n(name, m, k):
                 _assert_gemm_close(y, x, w, b)
         y = zipserv_vllm.linear(x, ct, bias)  # dispatched (fused or decoupled)
         _assert_gemm_close(y, x, w, bias)
+
+
+# ------------------------------------------------- grouped (mixtures of experts)
+# Expert shapes: Qwen3-30B-A3B (hidden 2048, expert intermediate 768: w13 1536 x 2048, w2 2048 x 768)
+# and Mixtral-8x7B's w2 (4096 x 14336); plus a ragged one.
+GROUPED_SHAPES = [(1536, 2048), (2048, 768), (4096, 14336), (130, 200)]
+
+
+def _experts(n_exp, m, k):
+    ws, cts = [], []
+    for e in range(n_exp):
+        w = _gauss(m, k, seed=1000 + e * 13 + m)
+        ws.append(w)
+        cts.append(cuda_ops.compress_tensor_cuda(w))
+    return ws, cts
+
+
+def _routed(counts, k, seed=0):
+    rows = torch.tensor([0, *np.cumsum(counts).tolist()], dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(int(sum(counts)), k, generator=g, device=DEV).to(torch.bfloat16)
+    return x, rows
+
+
+@pytest.mark.parametrize("m,k", GROUPED_SHAPES)
+@pytest.mark.parametrize("counts", [[1, 0, 1, 0, 0, 0, 0, 0], [3, 0, 9, 17, 1, 0, 2, 40], [0] * 7 + [130]])
+def test_grouped_fused_equals_one_launch_per_expert(m, k, counts):
+    """The grouped kernel's rows of each expert equal that expert's fused launch bit for bit (same
+    block body, same tile_n) and are within the GEMM tolerance of the decompressed weight."""
+    n_exp = len(counts)
+    ws, cts = _experts(n_exp, m, k) if m * k < 4096 * 14336 else _experts(min(n_exp, 8), m, k)
+    x, rows = _routed(counts, k)
+    tn = 16
+    y = cuda_ops.grouped_gemm(x, cts, rows, path="fused", tile_n=tn)
+    starts = rows.tolist()
+    for e in range(n_exp):
+        a, b = starts[e], starts[e + 1]
+        if b > a:
+            one = cuda_ops.fused_gemm(x[a:b].contiguous(), *_args(cts[e]), None, tn, 1)
+            assert torch.equal(y[a:b].view(torch.int16), one.view(torch.int16)), e
+            _assert_gemm_close(y[a:b], x[a:b], ws[e])
+
+
+def test_grouped_decoupled_and_auto_paths():
+    ws, cts = _experts(4, 1536, 2048)
+    counts = [300, 0, 700, 64]
+    x, rows = _routed(counts, 2048)
+    y = cuda_ops.grouped_gemm(x, cts, rows, path="decoupled")
+    auto = cuda_ops.grouped_gemm(x, cts, rows)  # 1064 rows >= 128 x 4: decoupled
+    starts = rows.tolist()
+    for e in range(4):
+        a, b = starts[e], starts[e + 1]
+        if b > a:
+            assert torch.equal(y[a:b], F.linear(x[a:b], ws[e])), e  # decoded weight + cuBLAS: as BF16
+    assert torch.equal(auto, y)
+
+
+def test_grouped_fused_under_cuda_graph_capture():
+    """The fused grouped path reads nothing on the host: captured once, replayed with new routing."""
+    ws, cts = _experts(8, 2048, 768)
+    table = cuda_ops.expert_table(cts)
+    x, rows = _routed([2, 0, 0, 1, 0, 3, 0, 2], 768)
+    cuda_ops.grouped_gemm(x, cts, rows, table=table, path="fused")  # warm up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = cuda_ops.grouped_gemm(x, cts, rows, table=table, path="fused")
+    x2, rows2 = _routed([0, 8, 0, 0, 0, 0, 0, 0], 768, seed=5)
+    x.copy_(x2)
+    rows.copy_(rows2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, cuda_ops.grouped_gemm(x, cts, rows, table=table, path="fused"))
+    _assert_gemm_close(y, x, ws[1])

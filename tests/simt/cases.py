@@ -1,6 +1,7 @@
 """Kernel cases for the SIMT harness: what to launch and what must come out. numpy only.
 
-A case is a dict: ``kind`` (decompress, zipgemm, onehot, embedding, encode),
+A case is a dict: ``kind`` (decompress, zipgemm, onehot, grouped, grouped_onehot,
+embedding, encode),
 its arrays and scalars, and the expected result (from the reference codec,
 computed by the parent test). ``run(mod, case)`` launches it through
 ``kernels.py`` and returns None or what went wrong. ``save``/``load`` carry a
@@ -49,6 +50,24 @@ def run(mod, case: dict) -> str | None:
             y = kernels.zipgemm(mod, _enc(case), x, None, int(case["tile_n"]), int(case["split"]))
             msg = kernels.check_one_hot(y, case["w"], cols)
             return f"{name}: {msg}" if msg else None
+        if kind in ("grouped", "grouped_onehot"):
+            experts = [SimpleNamespace(m=int(case["m"]), k=int(case["k"]), **{n: case[f"{n}{i}"] for n in ENC})
+                       for i in range(int(case["experts"]))]
+            counts = case["counts"]
+            x = case["x"] if kind == "grouped" else kernels.one_hot_x(int(counts.sum()), int(case["k"]), case["cols"])
+            y = kernels.zipgemm_grouped(mod, experts, x, counts, int(case["tile_n"]))
+            start = 0
+            for i, c in enumerate(counts.tolist()):
+                ye, w = y[start:start + c], case["w"][i]
+                if kind == "grouped":
+                    err = kernels.gemm_error(ye, w, x[start:start + c], None) if c else 0.0
+                    msg = None if err <= 1 else f"error {err:.3g} x the tolerance (inf = unwritten or NaN)"
+                else:
+                    msg = kernels.check_one_hot(ye, w, case["cols"][start:start + c])
+                if msg:
+                    return f"{name}: expert {i} ({c} rows): {msg}"
+                start += c
+            return None
         if kind == "embedding":
             got = kernels.embedding(mod, _enc(case), case["ids"], int(case["rows"]))
             bad = int((got != case["want"]).sum())

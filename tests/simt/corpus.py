@@ -35,6 +35,31 @@ def gemm_case(m, k, n, tile_n, split, bias=True, seed=0, name="zipgemm"):
     return c
 
 
+def grouped_case(ws, counts, tile_n, onehot=False, name="grouped", encoded=None):
+    """One grouped launch over the experts ``ws`` (bf16 bits [E, M, K]), counts[e] rows each; X random
+    (checked against float64 per expert) or one-hot (checked exactly)."""
+    ws = np.ascontiguousarray(ws)
+    counts = np.asarray(counts, dtype=np.int64)
+    n_exp, m, k = ws.shape
+    c = {"kind": "grouped_onehot" if onehot else "grouped", "m": m, "k": k, "experts": n_exp, "counts": counts,
+         "w": ws, "tile_n": tile_n,
+         "name": f"{name} {n_exp} experts {m}x{k} rows {counts.tolist()} tile_n={tile_n}"}
+    for i in range(n_exp):
+        e = encoded[i] if encoded is not None else reference.encode(ws[i])
+        c.update({f"{n}{i}": np.ascontiguousarray(getattr(e, n)) for n in cases.ENC})
+    rng = np.random.default_rng([m, k, n_exp, int(counts.sum())])
+    if onehot:
+        c["cols"] = rng.integers(0, k, int(counts.sum()))
+    else:
+        c["x"] = bf16_bits(rng.standard_normal((int(counts.sum()), k)))
+    return c
+
+
+def expert_weights(n_exp, m, k, seed=0):
+    rng = np.random.default_rng([n_exp, m, k, seed])
+    return np.stack([weight(rng, m, k) for _ in range(n_exp)])
+
+
 def decompress_case(w, name="decompress", e=None):
     e = e or reference.encode(w)
     assert np.array_equal(reference.decode(e), w)  # the oracle itself round-trips
@@ -85,5 +110,9 @@ def coverage_cases() -> list:
             noncanonical_case(embedding_case(w, np.concatenate([np.arange(130), [130, 160, -1, 999]]).astype(np.int32),
                                              167)),
             encode_case(np.random.default_rng(3).permutation(ALL).reshape(256, 256), "encoder, all patterns"),
-            encode_case(weight(rng, 129, 257), "encoder, ragged")]
+            encode_case(weight(rng, 129, 257), "encoder, ragged"),
+            grouped_case(expert_weights(4, 130, 200), [3, 0, 9, 17], 8),
+            grouped_case(expert_weights(3, 70, 100), [5, 1, 0], 16),
+            grouped_case(np.stack([np.roll(ALL, 4099 * i).reshape(256, 256) for i in range(3)]), [9, 0, 20], 32,
+                         onehot=True, name="grouped, all patterns")]
     return out

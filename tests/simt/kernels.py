@@ -56,6 +56,24 @@ def zipgemm(mod, e, x: np.ndarray, bias: np.ndarray | None, tile_n: int, split: 
     return y
 
 
+def zipgemm_grouped(mod, experts: list, x: np.ndarray, counts, tile_n: int) -> np.ndarray:
+    """Y [rows, M] (bf16 bits) by one grouped launch: X's rows grouped by expert, counts[e] rows
+    for expert e (the launch sequence kernels/cuda.py's grouped_gemm uses: an int64 [E, 5] table of
+    each expert's array addresses, int32 [E + 1] row starts)."""
+    ws = [weight_arrays(e) for e in experts]
+    m, k = ws[0].m, ws[0].k
+    table = np.ascontiguousarray([[ptr(w.bitmaps), ptr(w.base), ptr(w.offsets), ptr(w.sm), ptr(w.fb)] for w in ws],
+                                 dtype=np.uint64)
+    starts = np.ascontiguousarray(np.concatenate([[0], np.cumsum(counts)]), dtype=np.int32)
+    x = np.ascontiguousarray(x, dtype=np.uint16)
+    rows = int(starts[-1])
+    assert x.shape == (rows, k)
+    y = np.full((rows, m), 0x7FC1, np.uint16)
+    x_vec = int(k % 8 == 0 and ptr(x) % 16 == 0)
+    mod.zipgemm_grouped(ptr(table), ptr(starts), ptr(x), ptr(y), m, k, len(ws), rows, tile_n, x_vec, 0)
+    return y
+
+
 def embedding(mod, e, ids: np.ndarray, rows: int) -> np.ndarray:
     e = weight_arrays(e)
     ids = np.ascontiguousarray(ids)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from . import cases, harness
-from .corpus import ALL, decompress_case, gemm_case, onehot_case
+from .corpus import ALL, decompress_case, expert_weights, gemm_case, grouped_case, onehot_case
 
 pytestmark = pytest.mark.skipif(harness.module() is None, reason=harness.MISSING)
 
@@ -97,6 +97,15 @@ def test_pipeline_with_two_plane_buffers(tmp_path):
     mod = _faulty(tmp_path, "two-plane-buffers", LAYOUT, "constexpr int kBmpBuffers = 3;",
                   "constexpr int kBmpBuffers = 2;")
     todo = [gemm_case(128, 512, 16, 16, 1), onehot_case(8, 1, 64)]  # 8 and 4 K tiles: the pipeline wraps
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+
+
+def test_grouped_kernel_on_the_next_experts_rows(tmp_path):
+    # the grouped kernel's X and Y views start one expert too far (a routing/offset slip)
+    old = "    const int r0 = g.expert_rows[e], r1 = g.expert_rows[e + 1];\n"
+    new = "    const int r0 = g.expert_rows[e] + 1, r1 = g.expert_rows[e + 1];  // planted: off by one row\n"
+    mod = _faulty(tmp_path, "grouped-rows", KERNEL, old, new)
+    todo = [grouped_case(expert_weights(3, 130, 200), [4, 9, 6], 8)]
     _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
 
 

@@ -20,7 +20,7 @@ from zipserv_vllm.format import reference
 from zipserv_vllm.kernels import dispatch
 
 from . import cases, harness, kernels
-from .corpus import ALL, decompress_case, encode_case, gemm_case, weight
+from .corpus import ALL, decompress_case, encode_case, expert_weights, gemm_case, grouped_case, weight
 
 simt = harness.module()
 pytestmark = pytest.mark.skipif(simt is None, reason=harness.MISSING)
@@ -80,6 +80,58 @@ def test_fused_noncanonical_layout():
     e = kernels.noncanonical(cases._enc(c))
     c.update(sm=e.sm, fb=e.fb, offsets=e.offsets, name="non-canonical layout")
     _check(c)
+
+
+# ------------------------------------------------------------------ grouped ZipGEMM (mixtures of experts)
+@pytest.mark.parametrize("tile_n", [8, 16, 32, 64, 128])
+def test_grouped_every_instance(tile_n):
+    """One launch over 5 experts with ragged row counts: empty experts, one row (decode, top-k of one
+    token), rows not a multiple of tile_n, one expert holding most rows; M and K ragged."""
+    _check(grouped_case(expert_weights(5, 130, 452), [0, 1, 21, 0, 2 * tile_n + 3], tile_n))
+
+
+def test_grouped_decode_sized_and_unaligned_x():
+    _check(grouped_case(expert_weights(8, 192, 128), [1, 0, 0, 1, 0, 0, 0, 0], 8, name="top-2 of one token"))
+    _check(grouped_case(expert_weights(3, 70, 100), [5, 1, 9], 16, name="K % 8 != 0"))  # X staged element-wise
+    _check(grouped_case(expert_weights(2, 64, 64), [0, 0], 8, name="no rows"))  # nothing launched, nothing written
+
+
+def test_grouped_all_patterns_one_hot():
+    """Three experts, each holding all 65,536 patterns (rolled differently); X one-hot: exact per expert."""
+    ws = np.stack([np.roll(ALL, 4099 * i).reshape(256, 256) for i in range(3)])
+    _check(grouped_case(ws, [9, 0, 130], 32, onehot=True, name="all patterns"))
+    _check(grouped_case(ws, [1, 70, 3], 128, onehot=True, name="all patterns"))
+
+
+def test_grouped_noncanonical_expert_and_equal_to_one_launch_per_expert():
+    """An expert stored with reordered segments and garbage between them; and the grouped result
+    equals the per-expert fused launches bit for bit (the same block body on the same rows)."""
+    ws = expert_weights(3, 130, 200, seed=2)
+    enc = [reference.encode(w) for w in ws]
+    enc[1] = kernels.noncanonical(enc[1])
+    c = grouped_case(ws, [4, 11, 7], 16, encoded=enc, name="non-canonical expert")
+    _check(c)
+    experts = [cases.SimpleNamespace(m=130, k=200, **{n: c[f"{n}{i}"] for n in cases.ENC}) for i in range(3)]
+    y = kernels.zipgemm_grouped(simt, experts, c["x"], c["counts"], 16)
+    start = 0
+    for i, n in enumerate(c["counts"].tolist()):
+        one = kernels.zipgemm(simt, experts[i], c["x"][start:start + n], None, 16, 1)
+        assert np.array_equal(y[start:start + n], one), i
+        start += n
+
+
+def test_grouped_launch_counters_and_bad_arguments():
+    """Grid (ceil(rows / tile_n), Mt, E): blocks past their expert's rows leave before any barrier."""
+    simt.reset_stats()
+    _check(grouped_case(expert_weights(4, 130, 200), [3, 0, 9, 1], 8))  # rows 13 -> 2 column blocks, Mt 3, Kt 4
+    s = simt.stats()
+    assert s["launches"] == 1 and s["blocks"] == 2 * 3 * 4
+    working = 3 * (1 + 0 + 2 + 1)  # blocks holding rows: expert rows 3, 0, 9, 1 -> 1, 0, 2, 1 column blocks
+    assert s["barriers"] == working * (1 + 4)
+    with pytest.raises(RuntimeError, match="zipgemm_grouped failed"):
+        simt.zipgemm_grouped(0, 0, 0, 0, 64, 64, 0, 1, 8, 1, 0)  # E = 0
+    with pytest.raises(RuntimeError, match="zipgemm_grouped failed"):
+        simt.zipgemm_grouped(0, 0, 0, 0, 64, 64, 2, 1, 12, 1, 0)  # tile_n 12
 
 
 # ------------------------------------------------------------------ decompress

@@ -14,6 +14,11 @@ and the bookkeeping.
   shape, the fused ZipGEMM kernel (with split-K when M alone cannot fill the
   GPU) or the decoupled path (decompress into a per-device workspace, then
   ``torch.matmul`` / cuBLAS).
+* mixtures of experts: :func:`grouped_gemm`, one launch of the grouped fused
+  kernel over the experts a batch routes to (rows grouped per expert), or the
+  decoupled path per expert for large token counts. Not yet called by the vLLM
+  plugin (whose compressed experts run on the CPU backend; on a GPU they stay
+  BF16) until it has run on a GPU.
 
 CUDA-graph capture: nothing here synchronises with the host during a call.
 Kernel attributes are set once per device (``prepare``). Scratch memory (the
@@ -272,6 +277,82 @@ def gemm_cuda(x, bitmaps, base, offsets, sm, fb, m: int, k: int, bias, mode: str
         else:
             y = _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, p.tile_n, p.split)
         return y.view(*x.shape[:-1], m)
+
+
+# ------------------------------------------------- grouped (mixtures of experts)
+# Decoupled above this many rows per expert on average (each expert then fills 128-column
+# blocks, where the dense dispatcher also leaves the fused kernel for cuBLAS on most shapes);
+# a starting point until measured on a GPU (benchmarks/bench_cuda_kernels.py, grouped entries).
+GROUPED_DECOUPLED_ROWS_PER_EXPERT = 128
+
+
+def expert_table(experts, device=None) -> torch.Tensor:
+    """int64 [E, 5] device addresses of each expert's bitmaps, base, offsets, sm and fb, for
+    :func:`grouped_gemm`. Checks that the experts share one shape and validates each one's
+    offsets on the host (once). Build it once per layer at load time (not during graph
+    capture); the experts' tensors must outlive it."""
+    _need()
+    if not experts:
+        raise ValueError("zipserv CUDA: a grouped GEMM needs at least one expert")
+    m, k = experts[0].shape
+    rows = []
+    for i, ct in enumerate(experts):
+        if tuple(ct.shape) != (m, k):
+            raise ValueError(f"zipserv CUDA: expert {i} is {list(ct.shape)}, expert 0 is {[m, k]}: "
+                             "a grouped GEMM needs experts of one shape")
+        _check(None, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k)
+        rows.append([_ptr16(ct.bitmaps, "bitmaps"), ct.base.data_ptr(), ct.offsets.data_ptr(),
+                     _ptr16(ct.sm, "sm") if ct.sm.numel() else ct.sm.data_ptr(),
+                     _ptr16(ct.fb, "fb") if ct.fb.numel() else ct.fb.data_ptr()])
+    return torch.tensor(rows, dtype=torch.int64).to(device or experts[0].sm.device)
+
+
+def grouped_gemm(x: torch.Tensor, experts, expert_rows: torch.Tensor, table: torch.Tensor | None = None,
+                 path: str = "auto", tile_n: int | None = None) -> torch.Tensor:
+    """Y [rows, M] with Y[r] = X[r] . W_e^T for the rows r of expert e, expert_rows[e] <= r <
+    expert_rows[e + 1] (X's rows grouped by expert, int32 [E + 1] row starts on the GPU, as the
+    router's sort gives them). ``path``:
+
+    * ``"fused"``: one launch of the grouped fused kernel over all experts (only the experts that
+      have rows do work; no host synchronisation: CUDA-graph safe);
+    * ``"decoupled"``: per expert with rows, decompress + cuBLAS (reads the row starts on the
+      host once: not for graph capture);
+    * ``"auto"``: fused up to GROUPED_DECOUPLED_ROWS_PER_EXPERT rows per expert on average.
+    """
+    _need()
+    n_exp = len(experts)
+    m, k = experts[0].shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [rows, {k}], got {x.dtype} {list(x.shape)}")
+    if expert_rows.dtype != torch.int32 or tuple(expert_rows.shape) != (n_exp + 1,) or expert_rows.device != x.device:
+        raise ValueError(f"zipserv CUDA: expert_rows must be int32 [{n_exp + 1}] on {x.device}, got "
+                         f"{expert_rows.dtype} {list(expert_rows.shape)} on {expert_rows.device}")
+    rows = x.shape[0]
+    if path == "auto":
+        path = "decoupled" if rows >= GROUPED_DECOUPLED_ROWS_PER_EXPERT * n_exp else "fused"
+    with torch.cuda.device(x.device):
+        prepare(x.device)
+        if path == "decoupled":
+            starts = expert_rows.tolist()
+            y = torch.empty((rows, m), dtype=torch.bfloat16, device=x.device)
+            for e, ct in enumerate(experts):
+                a, b = starts[e], starts[e + 1]
+                if b > a:
+                    y[a:b] = _decoupled_gemm(x[a:b], ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, None)
+            return y
+        if path != "fused":
+            raise ValueError(f"path must be auto, fused or decoupled, got {path!r}")
+        if table is None:
+            table = expert_table(experts, x.device)
+        if table.dtype != torch.int64 or tuple(table.shape) != (n_exp, 5) or table.device != x.device:
+            raise ValueError(f"zipserv CUDA: table must be int64 [{n_exp}, 5] on {x.device} (expert_table)")
+        y = torch.empty((rows, m), dtype=torch.bfloat16, device=x.device)
+        if rows:
+            tn = tile_n or dispatch.tile_n_for(max(1, -(-rows // min(n_exp, rows))))
+            xp = x.data_ptr()
+            _cuda.zipgemm_grouped(table.data_ptr(), expert_rows.data_ptr(), xp, y.data_ptr(), m, k, n_exp, rows, tn,
+                                  int(k % 8 == 0 and xp % 16 == 0), _stream(x.device))
+        return y
 
 
 # ----------------------------------------------------------- GPU encoder
