@@ -132,10 +132,11 @@ def _prepare(size: str, workdir: Path) -> tuple[Path, Path, dict]:
         else:
             build_tiny_model(bf16, "llama", **spec)
         info["build_s"] = round(time.perf_counter() - t, 1)
-    if not (zs / "config.json").exists():
-        t = time.perf_counter()
-        compress_checkpoint(bf16, zs, progress=False, overwrite=True)
-        info["compress_s"] = round(time.perf_counter() - t, 1)
+    # compressed again on every run: a cached copy may come from an older compressor (whose rules,
+    # e.g. which MoE experts are stored compressed, have changed since)
+    t = time.perf_counter()
+    compress_checkpoint(bf16, zs, progress=False, overwrite=True)
+    info["compress_s"] = round(time.perf_counter() - t, 1)
     info["checkpoint_bytes"] = {"bf16": sum(f.stat().st_size for f in bf16.glob("*.safetensors")),
                                 "zipserv": sum(f.stat().st_size for f in zs.glob("*.safetensors"))}
     return bf16, zs, info
@@ -201,6 +202,15 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # sizes measured by an earlier run and not by this one stay in the file, each with its own date
+    for m in results["models"].values():
+        m["measured"] = time.strftime("%Y-%m-%d")
+    if out.exists():
+        try:
+            earlier = json.loads(out.read_text()).get("models", {})
+        except ValueError:
+            earlier = {}
+        results["models"] = {**{k: v for k, v in earlier.items() if k not in results["models"]}, **results["models"]}
     out.write_text(json.dumps(results, indent=2))
 
     print(f"{'model':6} {'variant':18} {'weights MiB':>12} {'ratio':>7} {'arena MiB':>10} {'anon RSS MiB':>13} "

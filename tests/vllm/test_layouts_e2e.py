@@ -100,6 +100,7 @@ def test_mixture_of_experts_loads_and_matches(vllm_env, zoo, kind, caplog):
             f"model.layers.{i}.{moe}.experts.{e}.{w}" for i in range(2) for e in range(4) for w in ("w13", "w2"))
         assert mem["layers_compressed"] >= 4 + 16  # + q/o projections of both layers, embedding, lm_head
         assert mem["total_bytes"] < 0.85 * base["memory"]["total_bytes"]  # measured resident bytes
+        assert mem["arena_unreferenced_bytes"] == 0  # every arena byte belongs to a loaded layer
     # the checkpoint's compressed experts were read by tile (vLLM's expert loader recorded them), not re-encoded
     for run, way in ((pre, "tiles"), (pack, "packed")):
         paths = {k: v for k, v in run["memory"]["layer_paths"].items() if ".experts." in k}

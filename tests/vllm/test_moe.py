@@ -98,21 +98,31 @@ def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
         assert mems[0]["compressed_bf16_bytes"] == mems[1]["compressed_bf16_bytes"]
 
 
-def test_tp2_split_off_the_tiles_is_reencoded_and_identical(vllm_env, tmp_path):
-    """Intermediate size 192: each TP=2 rank's expert slice is 96 rows (w1/w3) or columns (w2),
-    not whole 64-element tiles, so each rank decodes those shards, splits them with vLLM's expert
-    loader and encodes its slice (one log line per layer)."""
+def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(vllm_env, tmp_path):
+    """Expert intermediate 192: each TP=2 rank's slice is 96 rows (w1/w3) or columns (w2), not whole
+    64-element tiles, so each rank decodes those shards, splits them with vLLM's expert loader and
+    encodes its slice (one log line per layer). Intermediate 64: each rank's w2 slice, 32 columns,
+    would grow when padded to a tile, so the layers stay BF16 (the checkpoint's experts decoded into
+    vLLM's weights) and the arena pages already filled for them are given back."""
     from zipserv_vllm.checkpoint import compress_checkpoint
     from zipserv_vllm.testing.zoo import build_zoo_model
 
-    bf16 = build_zoo_model(tmp_path / "m", "mixtral", config={"intermediate_size": 192})
-    zs = compress_checkpoint(bf16, tmp_path / "m-zs", progress=False).dst
-    runs = _worker("tp_worker.py", tmp_path / "tp.json", f"base={bf16}", f"pre={zs}", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    assert runs["pre"]["tokens"] == runs["base"]["tokens"]
-    assert runs["pre"]["logprobs"] == runs["base"]["logprobs"]
-    for mem in runs["pre"]["memory"]:
+    specs = []
+    for inter in (192, 64):
+        bf16 = build_zoo_model(tmp_path / f"m{inter}", "mixtral", config={"intermediate_size": inter})
+        zs = compress_checkpoint(bf16, tmp_path / f"m{inter}-zs", progress=False).dst
+        specs += [f"base{inter}={bf16}", f"pre{inter}={zs}"]
+    runs = _worker("tp_worker.py", tmp_path / "tp.json", *specs, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    for inter in (192, 64):
+        assert runs[f"pre{inter}"]["tokens"] == runs[f"base{inter}"]["tokens"], inter
+        assert runs[f"pre{inter}"]["logprobs"] == runs[f"base{inter}"]["logprobs"], inter
+    for mem in runs["pre192"]["memory"]:
         assert len(expert_parts(mem)) == 2 * EXPERTS * LAYERS
         assert {v for k, v in mem["layer_paths"].items() if ".experts." in k} == {"re-encoded"}
+    for mem in runs["pre64"]["memory"]:
+        assert expert_parts(mem) == []  # kept BF16
+        assert mem["layers_compressed"] >= 2 * LAYERS  # attention still compressed
+        assert mem["arena_unreferenced_bytes"] == 0  # no orphaned pages
 
 
 def _bad(moe_dirs, tmp_path, edit):

@@ -178,6 +178,10 @@ class PagedArena:
     def num_pages(self) -> int:
         return sum(1 for p in self._pages if p.tensor is not None)
 
+    def footprint(self, table: PageTable) -> int:
+        """Bytes ``table``'s arrays take in their pages, alignment padding included (as reserved)."""
+        return sum(_round_up(max(e.slot.nbytes, 1), self.align) for e in table.entries.values())
+
     @property
     def allocated_bytes(self) -> int:
         """Bytes of device memory the pages hold (what the arena costs)."""

@@ -61,6 +61,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
     from ..format.cpu_layout import PackedTensor
 
     arenas, compressed, bf16, paths, equiv, parts, layouts, by_layer = {}, 0, 0, {}, 0, {}, {}, {}
+    referenced = 0
 
     def states(mod):
         st = mod.__dict__.get("_zs_state")
@@ -73,6 +74,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
             arenas[id(st.arena)] = st.arena
             compressed += 1
             equiv += 2 * st.rows * st.cols
+            referenced += sum(st.arena.footprint(t) for t in st.tables)
             parts[st.prefix] = len(st.part_shapes)
             lay = "bytesplit" if st.parts and all(isinstance(p, PackedTensor) for p in st.parts) else "v1"
             layouts[lay] = layouts.get(lay, 0) + 1
@@ -86,6 +88,8 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "prepacked_bytes": prepacked,  # oneDNN-held weights, K * N * itemsize each
         "arena_bytes": arena_bytes,
         "arena_pages": sum(a.num_pages for a in arenas.values()),
+        # allocated arena bytes that no loaded layer's arrays use: 0 unless pages leaked
+        "arena_unreferenced_bytes": arena_bytes - referenced,
         "total_bytes": param_bytes + prepacked + arena_bytes,
         "layers_compressed": compressed,
         "layers_bf16": bf16,

@@ -205,7 +205,8 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     if (e, shard) not in arrived:
                         raise loading.ZipServLoadError(
                             f"zipserv: checkpoint tensor {name}.weight is missing (and there are no {name}.zs_* "
-                            f"arrays either): expert {self._global(layer, e)} of {self.zs_prefix} has no {shard} weights")
+                            f"arrays either): expert {self._global(layer, e)} of {self.zs_prefix} has no "
+                            f"{shard} weights")
                     continue
                 if (e, shard) in arrived:
                     raise loading.ZipServLoadError(
@@ -229,7 +230,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         states: list[loading.LayerState] = []
         if why is None:
             try:
-                states = self._load_experts(layer)
+                self._load_experts(layer, states)
             except _NotSmaller as exc:
                 why = str(exc)
         if why is not None:
@@ -257,8 +258,9 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
 
-    def _load_experts(self, layer) -> list[loading.LayerState]:
-        """Every local expert's ``w13`` and ``w2`` into the arena, one LayerState each: by tile from
+    def _load_experts(self, layer, states: list) -> None:
+        """Every local expert's ``w13`` and ``w2`` into the arena, one LayerState each (appended to
+        ``states`` as they are made, so a layer that stops halfway can give their pages back): by tile from
         the checkpoint's compressed arrays (the rank's slice selected where it falls on tiles), else
         packed from the BF16 weights vLLM loaded (compressed shards decoded into them first). The BF16
         weights then hold every expert, for vLLM's kernel setup."""
@@ -266,13 +268,13 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         records = layer.__dict__.get(_RECORDS, {})
         arena = self.zs_config.arena(w13.device)
         packed = loading.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
-        states, planned = [], []
+        planned = []
         for which, w in (("w13", w13), ("w2", w2)):
             shards = ("w1", "w3") if which == "w13" else ("w2",)
             for e in range(w.shape[0]):
-                st = loading.LayerState(prefix=f"{self.zs_prefix}.{self._global(layer, e)}.{which}", kind="linear", rows=w.shape[1],
-                                        cols=w.shape[2], device=w.device, expected_shards=list(shards),
-                                        layer_ref=weakref.ref(layer),
+                st = loading.LayerState(prefix=f"{self.zs_prefix}.{self._global(layer, e)}.{which}", kind="linear",
+                                        rows=w.shape[1], cols=w.shape[2], device=w.device,
+                                        expected_shards=list(shards), layer_ref=weakref.ref(layer),
                                         ckpt_prefixes={sh: self._ckpt(layer, e, sh) for sh in shards})
                 states.append(st)
                 plans = self._tile_plans(layer, st, e, shards) if all((e, sh) in records for sh in shards) else None
@@ -290,16 +292,15 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 st.path = "packed" if not any((e, sh) in records for sh in shards) else "re-encoded"
         off = layer.__dict__.pop("_zs_moe_offtile", None)
         if off is not None:
-            logger.info("zipserv: %s: rank %d's expert slices are not on %d-element tiles (e.g. %s: dim %d, start %d, "
-                        "length %d); decoding, splitting with vLLM's expert loader and re-encoding them", self.zs_prefix,
-                        off[4], spec.TILE, *off[:4])
+            logger.info("zipserv: %s: rank %d's expert slices are not on %d-element tiles (e.g. %s: dim %d, "
+                        "start %d, length %d); decoding, splitting with vLLM's expert loader and re-encoding them",
+                        self.zs_prefix, off[4], spec.TILE, *off[:4])
         loading.load_plans(planned, self.zs_config.arena, self.zs_config.verify)
         from .methods import _full_weight
 
         for st, _ in planned:  # vLLM's kernel setup below prepacks the BF16 weights
             e = int(st.__dict__["_zs_local"])
             (w13 if st.prefix.endswith(".w13") else w2)[e].copy_(_full_weight(st))
-        return states
 
     def _expert_ct(self, layer, st: loading.LayerState, e: int, shard: str):
         """The checkpoint's compressed shard of local expert ``e``, checked against the layer's sizes."""
