@@ -402,21 +402,23 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         flat = topk_ids.reshape(-1).to(torch.int64)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=n_exp).tolist()
-        tokens, weights = order // k, topk_weights.reshape(-1).to(torch.float32)[order]
+        tokens, weights = order // k, topk_weights.reshape(-1).to(torch.float32)[order, None]
+        # the routed (token, expert) rows grouped by expert; per expert only its two GEMMs, on row slices
+        xs = x.index_select(0, tokens)
+        if layer.apply_router_weight_on_input:
+            xs = (xs * weights).to(x.dtype)
+        bounds = list(itertools.accumulate(counts, initial=0))
+        active = [e for e in range(n_exp) if counts[e]]
+
+        def grouped(first: int, rows: torch.Tensor) -> torch.Tensor:
+            outs = [compressed_linear(states[first + e], rows[bounds[e]:bounds[e + 1]], None, "fast") for e in active]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        h = grouped(0, xs)
+        act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
+        y = grouped(n_exp, act).float()
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts):
-            if not c:
-                continue
-            idx, w = tokens[start:start + c], weights[start:start + c, None]
-            start += c
-            xe = x.index_select(0, idx)
-            if layer.apply_router_weight_on_input:
-                xe = (xe * w).to(x.dtype)
-            h = compressed_linear(states[e], xe, None, "fast")
-            act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
-            y = compressed_linear(states[n_exp + e], act, None, "fast").float()
-            out.index_add_(0, idx, y if layer.apply_router_weight_on_input else y * w)
+        out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
 
     def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
