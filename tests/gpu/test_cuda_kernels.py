@@ -309,7 +309,7 @@ def test_grouped_fused_equals_one_launch_per_expert(m, k, counts):
     """The grouped kernel's rows of each expert equal that expert's fused launch bit for bit (same
     block body, same tile_n) and are within the GEMM tolerance of the decompressed weight."""
     n_exp = len(counts)
-    ws, cts = _experts(n_exp, m, k) if m * k < 4096 * 14336 else _experts(min(n_exp, 8), m, k)
+    ws, cts = _experts(n_exp, m, k)
     x, rows = _routed(counts, k)
     tn = 16
     y = cuda_ops.grouped_gemm(x, cts, rows, path="fused", tile_n=tn)

@@ -125,6 +125,35 @@ def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(vllm_env, tmp_path):
         assert mem["arena_unreferenced_bytes"] == 0  # no orphaned pages
 
 
+def test_fast_mode_with_no_tokens(vllm_env):
+    """A step with no tokens (vLLM's dummy or data-parallel runs) gives an empty output, not an error."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zipserv_vllm.vllm_plugin import loading, moe
+    from zipserv_vllm.vllm_plugin.arena import PagedArena
+
+    arena, states = PagedArena("cpu"), []
+    for which, (r, c) in (("w13", (256, 64)), ("w2", (64, 128))):
+        for e in range(2):
+            st = loading.LayerState(prefix=f"x.{e}.{which}", kind="linear", rows=r, cols=c,
+                                    device=torch.device("cpu"), expected_shards=[])
+            loading.pack_layer(st, (torch.randn(r, c) * 0.02).to(torch.bfloat16), arena, packed=True)
+            states.append(st)
+    layer = SimpleNamespace(apply_router_weight_on_input=False)
+    layer.__dict__["_zs_moe_states"] = states
+    method = moe.ZipServMoEMethod.__new__(moe.ZipServMoEMethod)
+    method._shapes = ((2, 256, 64), (2, 64, 128))
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    out = method._compute_fast(layer, x, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 0]], dtype=torch.int32)
+    out = method._compute_fast(layer, x, torch.full((3, 2), 0.5), ids)
+    assert out.shape == (3, 64) and torch.isfinite(out.float()).all() and out.abs().sum() > 0
+
+
 def _bad(moe_dirs, tmp_path, edit):
     import shutil
 

@@ -328,12 +328,16 @@ def grouped_gemm(x: torch.Tensor, experts, expert_rows: torch.Tensor, table: tor
         raise ValueError(f"zipserv CUDA: expert_rows must be int32 [{n_exp + 1}] on {x.device}, got "
                          f"{expert_rows.dtype} {list(expert_rows.shape)} on {expert_rows.device}")
     rows = x.shape[0]
-    if path == "auto":
-        path = "decoupled" if rows >= GROUPED_DECOUPLED_ROWS_PER_EXPERT * n_exp else "fused"
+    if path == "auto":  # the decoupled path reads the row starts on the host: never inside graph capture
+        path = ("decoupled" if rows >= GROUPED_DECOUPLED_ROWS_PER_EXPERT * n_exp and not _capturing()
+                else "fused")
     with torch.cuda.device(x.device):
         prepare(x.device)
         if path == "decoupled":
             starts = expert_rows.tolist()
+            if starts[0] != 0 or starts[-1] != rows or any(b < a for a, b in zip(starts, starts[1:])):
+                raise ValueError(f"zipserv CUDA: expert_rows must rise from 0 to {rows} (the rows of x), "
+                                 f"got {starts}")
             y = torch.empty((rows, m), dtype=torch.bfloat16, device=x.device)
             for e, ct in enumerate(experts):
                 a, b = starts[e], starts[e + 1]

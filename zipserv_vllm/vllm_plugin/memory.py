@@ -88,7 +88,8 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "prepacked_bytes": prepacked,  # oneDNN-held weights, K * N * itemsize each
         "arena_bytes": arena_bytes,
         "arena_pages": sum(a.num_pages for a in arenas.values()),
-        # allocated arena bytes that no loaded layer's arrays use: 0 unless pages leaked
+        # allocated arena bytes that no loaded layer's arrays use: 0 after a clean load (weight updates
+        # leave old arrays in pages other layers still share, until those pages are free)
         "arena_unreferenced_bytes": arena_bytes - referenced,
         "total_bytes": param_bytes + prepacked + arena_bytes,
         "layers_compressed": compressed,

@@ -191,7 +191,8 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         if layer.__dict__.get(_MOE) is not None:
             self._after_reload(layer)
             return
-        if getattr(layer, "_zs_moe_plain", False):
+        if getattr(layer, "_zs_moe_plain", False):  # kept BF16: vLLM's method prepares the (re)loaded weights
+            super().process_weights_after_loading(layer)
             return
         try:
             self._compress(layer)
@@ -267,6 +268,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             set_weight_attrs(empty, {"weight_loader": self._update_loader(layer, which)})
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
+        weakref.finalize(layer, _LAYERS.pop, self._key, None)  # the method (and its arenas) go with the model
 
     def _load_experts(self, layer, states: list) -> None:
         """Every local expert's ``w13`` and ``w2`` into the arena, one LayerState each (appended to
@@ -312,18 +314,23 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             e = int(st.__dict__["_zs_local"])
             (w13 if st.prefix.endswith(".w13") else w2)[e].copy_(_full_weight(st))
 
-    def _expert_ct(self, layer, st: loading.LayerState, e: int, shard: str):
-        """The checkpoint's compressed shard of local expert ``e``, checked against the layer's sizes."""
+    def _expert_ct(self, layer, st: loading.LayerState, e: int, shard: str, whole: bool = True):
+        """The checkpoint's compressed shard of local expert ``e``, checked against the layer's
+        (unpadded) sizes; with ``whole``, every tile's segments and checksum too (the tile path
+        leaves those to the rank's own tiles: TilePlan.select and copy_into check them)."""
         from ..format import FormatError
 
         ct = loading._shard_ct(st, shard, layer.__dict__[_RECORDS][(e, shard)])
-        hidden, inter = layer.w2_weight.shape[1], layer.w2_weight.shape[2]
+        hidden = getattr(self.moe, "hidden_dim_unpadded", None) or layer.w2_weight.shape[1]
+        inter = getattr(self.moe, "intermediate_size_per_partition_unpadded", None) or layer.w2_weight.shape[2]
         tp = self.moe.moe_parallel_config.tp_size
         want = (hidden, inter * tp) if shard == "w2" else (inter * tp, hidden)
         if tuple(ct.shape) != want:
             raise loading.ZipServLoadError(
                 f"zipserv: checkpoint tensor {loading._ckpt_name(st, shard, 'zs_meta')} says shape {list(ct.shape)}, "
                 f"but {self.zs_prefix} expects {list(want)} for every expert's {shard}")
+        if not whole:
+            return ct
         name = loading._ckpt_name(st, shard, "weight")
         try:
             ct.validate(name)
@@ -345,7 +352,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         tp, rank = self.moe.moe_parallel_config.tp_size, self.moe.moe_parallel_config.tp_rank
         plans = []
         for sh in shards:
-            ct = self._expert_ct(layer, st, e, sh)
+            ct = self._expert_ct(layer, st, e, sh, whole=False)
             dim = 1 if sh == "w2" else 0
             local = ct.shape[dim] // tp
             split = (dim, rank * local, local) if tp > 1 else None
@@ -388,7 +395,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
 
         w13 = layer.__dict__.get("_parameters", {}).get("w13_weight")
         arrived = layer.__dict__.pop(_RELOADED, set())
-        if w13 is None or w13.numel() == 0 or w13.is_meta or not arrived:
+        if w13 is None or w13.numel() == 0 or w13.is_meta:
             return
         w2 = layer.w2_weight
         states = moe_states(layer)
@@ -440,13 +447,14 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 return False if return_success else None
             states = moe_states(layer)
             st = states[local if which == "w13" else len(states) // 2 + local]
-            w = torch.empty((local + 1, st.rows, st.cols), dtype=torch.bfloat16, device=st.device)  # only [local] used
-            w[local] = _full_weight(st)
+            one = torch.empty((1, st.rows, st.cols), dtype=torch.bfloat16, device=st.device)
+            one[0] = _full_weight(st)
+            w = one.expand(local + 1, st.rows, st.cols)  # vLLM's loader writes w[local]: the one real matrix
             ok = layer.__dict__[f"_zs_{which}_loader"](Parameter(w, requires_grad=False), loaded_weight,
                                                        weight_name or f"{which}_weight", shard_id=shard_id,
                                                        expert_id=expert_id, return_success=True, **kw)
             if ok is not False:
-                loading.reencode(st, w[local])
+                loading.reencode(st, one[0])
             return ok if return_success else None
 
         return zipserv_expert_update_loader
@@ -484,6 +492,8 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             xs = (xs * weights).to(x.dtype)
         bounds = list(itertools.accumulate(counts, initial=0))
         active = [e for e in range(n_exp) if counts[e]]
+        if not active:  # no tokens (e.g. a dummy or data-parallel step)
+            return torch.zeros_like(x)
 
         def grouped(first: int, rows: torch.Tensor) -> torch.Tensor:
             outs = [compressed_linear(states[first + e], rows[bounds[e]:bounds[e + 1]], None, "fast") for e in active]
