@@ -262,10 +262,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         self._shapes = (tuple(w13.shape), tuple(w2.shape))
         # vLLM sets up its expert kernel (and prepacks the BF16 weights, which are dropped next).
         super().process_weights_after_loading(layer)
-        for which in ("w13", "w2"):
-            empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=w13.device), requires_grad=False)
-            layer.register_parameter(f"{which}_weight", empty)
-            set_weight_attrs(empty, {"weight_loader": self._update_loader(layer, which)})
+        self._placeholders(layer, w13.device)
         self._key = next(_KEYS)
         _LAYERS[self._key] = (weakref.ref(layer), self)
         weakref.finalize(layer, _LAYERS.pop, self._key, None)  # the method (and its arenas) go with the model
@@ -411,8 +408,12 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 loading.reencode(states[e], w)
             if "w2" in shards:
                 loading.reencode(states[n_exp + e], w2.data[e])
+        self._placeholders(layer, w13.device)
+
+    def _placeholders(self, layer, device) -> None:
+        """The loaded layer's 0-size ``w13_weight`` / ``w2_weight``, whose loaders take weight updates."""
         for which in ("w13", "w2"):
-            empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=w13.device), requires_grad=False)
+            empty = Parameter(torch.empty(0, dtype=torch.bfloat16, device=device), requires_grad=False)
             layer.register_parameter(f"{which}_weight", empty)
             set_weight_attrs(empty, {"weight_loader": self._update_loader(layer, which)})
 
