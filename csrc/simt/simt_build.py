@@ -128,6 +128,11 @@ def module_filename() -> str:
     return "_simt" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 
 
+SANITIZER_CHILD_THREADS = {name: "1" for name in (
+    "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")}
+
+
 def sanitizer_env(variant: str, env: dict | None = None) -> dict:
     """Environment of a Python child process that loads a sanitizer build: the
     sanitizer runtime preloaded (the interpreter is not instrumented), halting
@@ -135,6 +140,11 @@ def sanitizer_env(variant: str, env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     if variant == "plain":
         return env
+    # One thread for every library the child loads that keeps a pool of its own (numpy's
+    # OpenBLAS, an OpenMP runtime): those libraries are not instrumented, so TSan cannot see
+    # their synchronisation and reports races that are not in the kernels. Set here, over
+    # whatever the caller's environment says, so the result does not depend on the machine.
+    env.update(SANITIZER_CHILD_THREADS)
     def lib(name):
         return subprocess.run([compiler(), f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
 

@@ -2,8 +2,9 @@
 
     python child.py MODULE.so REQUEST.json
 
-The request is {"selftest": [name, threads]} or {"cases": "cases.npz",
-"schedules": ["forward", ...]}. It prints one line per failing case and exits
+The request is {"selftest": [name, threads]}, {"cases": "cases.npz",
+"schedules": ["forward", ...]} or {"environ": [name, ...]} (prints those
+variables of the child's environment as JSON). It prints one line per failing case and exits
 1 if any failed; a sanitizer report ends the process with the sanitizer's own
 exit status first (csrc/simt/simt_build.py, sanitizer_env). Imports numpy and
 this directory's kernels.py / cases.py by path only: no torch, no package, so
@@ -12,6 +13,7 @@ a sanitizer runtime preloaded into the interpreter sees only the kernels.
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +33,9 @@ def load_module(path: str):
 def main() -> int:
     mod = load_module(sys.argv[1])
     req = json.loads(Path(sys.argv[2]).read_text())
+    if "environ" in req:
+        print(json.dumps({name: os.environ.get(name) for name in req["environ"]}))
+        return 0
     if "selftest" in req:
         name, threads = req["selftest"]
         err, msg, _ = mod.selftest(name, [1, 2, 3, 4], threads)

@@ -12,6 +12,8 @@ version of the race is not. Budget: ~5 s plus the two sanitizer builds (~40 s
 cold, cached in ZIPSERV_CACHE).
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,17 @@ def test_sanitizer_builds_report_what_they_should(variant, name, threads, want):
     else:
         assert r.returncode == harness.EXIT_STATUS[variant], (r.returncode, r.stderr[-3000:])
         assert want in r.stderr and "selftest.cpp" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("variant", ["asan", "tsan"])
+def test_sanitizer_children_run_one_blas_thread_whatever_the_caller_says(variant, monkeypatch):
+    # numpy's OpenBLAS (and any OpenMP runtime) is not instrumented: a pool of its threads makes
+    # TSan report races that are not in the kernels. The harness pins them to one thread itself.
+    names = sorted(harness.simt_build.SANITIZER_CHILD_THREADS)
+    assert {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"} <= set(names)
+    for name in names:
+        monkeypatch.setenv(name, "8")
+    r = harness.run_child(harness.build(variant), variant, {"environ": names})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {name: "1" for name in names}
+    assert harness.simt_build.sanitizer_env("plain", {"OPENBLAS_NUM_THREADS": "8"})["OPENBLAS_NUM_THREADS"] == "8"
