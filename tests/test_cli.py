@@ -366,3 +366,63 @@ def test_destination_is_or_inside_source(small, tmp_path, capsys):
     rc, _, err = run(["decompress", zs, zs, "--overwrite"], capsys)
     assert rc == 2 and one_error_line(err) == f"zipserv: error: {zs}: the destination is the source checkpoint"
     assert not (src / "zs").exists() and no_staging_left(src) and no_staging_left(zs.parent)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_bad_thread_setting_is_one_line(small, tmp_path, capsys, monkeypatch, value):
+    src, zs = small
+    monkeypatch.setenv("ZIPSERV_THREADS", value)
+    for args in (["compress", src, tmp_path / "o"], ["verify", zs], ["decompress", zs, tmp_path / "d"]):
+        rc, _, err = run(args, capsys)
+        assert rc == 2 and one_error_line(err) == (f"zipserv: error: ZIPSERV_THREADS must be an integer >= 1, "
+                                                   f"got {value!r}"), err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "d").exists() and no_staging_left(tmp_path)
+    monkeypatch.setenv("ZIPSERV_THREADS", "2")
+    assert run(["verify", zs], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0)])
+def test_weight_with_a_zero_dimension_is_kept_as_is(tmp_path, capsys, shape):
+    """An empty 2-D weight has nothing to compress: copied unchanged, named with the reason (no traceback)."""
+    src = build_tiny_model(tmp_path / "src", **SMALL)
+    t = load_all(src)
+    t["model.layers.0.extra.weight"] = torch.zeros(shape, dtype=torch.bfloat16)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    rc, out, err = run(["compress", src, tmp_path / "zs"], capsys)
+    assert rc == 0, err
+    assert "Traceback" not in err and f"an empty weight (shape {list(shape)}): nothing to compress" in out, out
+    assert "model.layers.0.extra.weight" in out
+    got = load_all(tmp_path / "zs")
+    assert got["model.layers.0.extra.weight"].shape == shape
+    assert run(["verify", tmp_path / "zs", "--against", src], capsys)[0] == 0
+
+
+def test_verify_says_when_no_crc_is_stored(small, tmp_path, capsys):
+    """A zs_meta without its CRC-32 is never reported as "decoded with matching CRC-32"."""
+    src, zs = small
+
+    def drop_crc(t):
+        t[f"{Q}.zs_meta"][4] = -1
+
+    bad = mutate(zs, tmp_path, drop_crc)
+    rc, out, err = run(["verify", bad], capsys)
+    assert rc == 0, err
+    assert "decoded with matching CRC-32" not in out
+    assert f"1 with no CRC stored ({Q}.weight; its tiles checked against zs_crc; NOT compared with a CRC-32)" in out, out
+
+    def flip_too(t):  # no CRC and a flipped byte: the tile checksums still catch it
+        drop_crc(t)
+        t[f"{Q}.zs_sm"][3] ^= 0x01
+
+    bad2 = mutate(zs, tmp_path / "b2", flip_too)
+    rc, _, err = run(["verify", bad2], capsys)
+    assert rc == 1 and f"zipserv: verify: {Q}.weight: tile (0, 0) does not match its checksum" in err, err
+
+
+def test_verify_refuses_a_checkpoint_where_only_some_matrices_have_tile_checksums(small, tmp_path, capsys):
+    _, zs = small
+    bad = mutate(zs, tmp_path, lambda t: t.pop(f"{Q}.zs_crc"))
+    rc, _, err = run(["verify", bad], capsys)
+    assert rc == 1 and f"zipserv: verify: {Q}.zs_crc is missing, while " in err and "damaged or edited" in err, err
+    everywhere = mutate(zs, tmp_path / "old", lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".zs_crc")]])
+    assert run(["verify", everywhere], capsys)[0] == 0  # a checkpoint from before tile checksums: fine

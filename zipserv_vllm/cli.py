@@ -129,8 +129,16 @@ def _cmd_verify(a) -> int:
         print(f"zipserv: error: verification of {r.path} failed: {len(r.problems)} "
               f"mismatch{'es' * (len(r.problems) != 1)} (first: {r.problems[0]})", file=sys.stderr)
         return EXIT_MISMATCH
-    line = (f"OK {r.path}: {r.compressed} compressed tensors decoded with matching CRC-32, "
-            f"{r.copied} copied tensors read, index and shards complete")
+    if r.no_crc:
+        n = len(r.no_crc)
+        tiles = ("its tiles checked against zs_crc" if n == 1 else "their tiles checked against zs_crc") \
+            if r.no_crc_tiles == n else f"{r.no_crc_tiles} of them with their tiles checked against zs_crc"
+        crc = (f"{r.compressed - n} with matching CRC-32, {n} with no CRC stored ({_names(r.no_crc, 3)}; "
+               f"{tiles}; NOT compared with a CRC-32)")
+        line = f"OK {r.path}: {r.compressed} compressed tensors decoded, {crc}, "
+    else:
+        line = f"OK {r.path}: {r.compressed} compressed tensors decoded with matching CRC-32, "
+    line += f"{r.copied} copied tensors read, index and shards complete"
     if r.against is not None:
         line += (f"; all {r.compressed + r.copied} tensors bit-identical to {r.against}, and its "
                  f"{r.files_checked} other files byte-identical")
@@ -219,12 +227,14 @@ def _error_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    line = text[0] if text else type(exc).__name__
+    return line[len("zipserv: "):] if line.startswith("zipserv: ") else line
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``zipserv`` command; return the exit status (0 ok, 1 verify mismatch, 2 error)."""
     from .checkpoint import CheckpointError
+    from .settings import SettingError
 
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             return EXIT_MISMATCH
-        except (CheckpointError, FormatError, SafetensorError, OSError) as exc:
+        except (CheckpointError, FormatError, SafetensorError, OSError, SettingError) as exc:
             print(f"zipserv: error: {_error_line(exc)}", file=sys.stderr)
             return EXIT_ERROR
         except KeyboardInterrupt:

@@ -34,9 +34,11 @@ def native_available() -> bool:
 
 def default_threads() -> int:
     """Threads for the native codec: ZIPSERV_THREADS, else the usable cores."""
-    env = os.environ.get("ZIPSERV_THREADS")
-    if env:
-        return max(1, int(env))
+    from .settings import threads
+
+    env = threads()  # SettingError (one line) for a value that is not a positive integer
+    if env is not None:
+        return env
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover

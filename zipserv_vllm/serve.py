@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve_main()
     except Exception:
-        first = errors.first_error()
+        first = errors.last_error()
         if first is None:
             raise
         # vLLM's processes have logged the details above; the cause, as the last line:

@@ -35,12 +35,16 @@ def _edit_tensors(d, fn):
 
 
 def _load(model):
+    """Load ``model``; return (the summary's words on how its data was checked, the counts)."""
     from vllm import LLM
 
-    from zs_e2e import _release
+    from zs_e2e import _release, load_check
 
     llm = LLM(model=str(model), **ENGINE_KW)
-    _release(llm)
+    try:
+        return llm.apply_model(load_check)[0]
+    finally:
+        _release(llm)
 
 
 def test_missing_tensor(vllm_env, llama_dirs, tmp_path):
@@ -96,6 +100,15 @@ def test_layer_with_no_tensors(vllm_env, llama_dirs, tmp_path):
         _load(d)
 
 
+def test_some_matrices_without_tile_checksums_is_refused(vllm_env, llama_dirs, tmp_path):
+    """compress writes zs_crc for every matrix: a checkpoint with some missing was damaged or edited."""
+    d = _copy(llama_dirs[1], tmp_path, "mixed")
+    _edit_tensors(d, lambda t: t.pop(f"{LAYER}.zs_crc"))
+    with pytest.raises(Exception, match=rf"zipserv: checkpoint tensor {LAYER}\.zs_crc is missing, while 15 other "
+                                        r"compressed matrices have tile checksums"):
+        _load(d)
+
+
 def test_corrupt_offsets(vllm_env, llama_dirs, tmp_path):
     d = _copy(llama_dirs[1], tmp_path, "corrupt")
 
@@ -134,7 +147,9 @@ def test_verify_modes(vllm_env, llama_dirs, tmp_path, monkeypatch):
         _flip_sm_byte(t)
 
     _edit_tensors(d, age)
-    _load(d)  # no checksums to compare: loads (the summary line says the data was NOT checked)
+    words, counts = _load(d)  # no checksums to compare: loads, and says the data was NOT checked
+    assert counts == {"no checksums": 10} and words.startswith("NOT checked: 10 of 10 layers have no tile "
+                                                               "checksums"), words
     monkeypatch.setenv("ZIPSERV_VERIFY", "full")
     with pytest.raises(Exception, match=rf"checkpoint tensor {LAYER}\.zs_\* is damaged: the decoded matrix's CRC-32"):
         _load(d)
@@ -142,6 +157,20 @@ def test_verify_modes(vllm_env, llama_dirs, tmp_path, monkeypatch):
     _edit_tensors(d2, _flip_sm_byte)
     monkeypatch.setenv("ZIPSERV_VERIFY", "none")
     _load(d2)
+    monkeypatch.setenv("ZIPSERV_VERIFY", "full")  # a matrix whose zs_meta stores no CRC-32: never "full"
+
+    def no_crc(t):
+        meta = t[f"{LAYER}.zs_meta"].clone()
+        meta[4] = -1
+        t[f"{LAYER}.zs_meta"] = meta
+
+    d3 = _copy(llama_dirs[1], tmp_path, "no_crc")
+    _edit_tensors(d3, no_crc)
+    words, counts = _load(d3)
+    assert counts == {"full": 9, "no CRC stored": 1}, counts
+    assert words.startswith(f"NOT checked in full: 1 of 10 layers have no CRC-32 stored in zs_meta (e.g. {LAYER})")
+    monkeypatch.setenv("ZIPSERV_VERIFY", "tiles")
+    assert _load(llama_dirs[1]) == ("every tile checked", {"tiles": 10})
     monkeypatch.setenv("ZIPSERV_VERIFY", "sometimes")
     with pytest.raises(Exception, match=r"ZIPSERV_VERIFY is 'sometimes'; expected one of tiles, full, none"):
         _load(d2)

@@ -94,3 +94,46 @@ def test_preflight_accepts_a_sound_checkpoint(llama_dirs):
     counts = check_checkpoint(llama_dirs[1])
     # 16 matrices compressed; the 5 RMSNorm weights stay plain
     assert counts == {"shards": 1, "compressed": 16, "uncompressed_weights": 5}
+
+
+BAD_SETTINGS = [
+    ("ZIPSERV_THREADS", "abc", "zipserv: ZIPSERV_THREADS must be an integer >= 1, got 'abc'"),
+    ("ZIPSERV_THREADS", "0", "zipserv: ZIPSERV_THREADS must be an integer >= 1, got '0'"),
+    ("ZIPSERV_ARENA_PAGE_MB", "-1", "zipserv: ZIPSERV_ARENA_PAGE_MB must be a positive number, got '-1'"),
+    ("ZIPSERV_ARENA_PAGE_MB", "lots", "zipserv: ZIPSERV_ARENA_PAGE_MB must be a positive number, got 'lots'"),
+    ("ZIPSERV_MODE", "turbo", "zipserv: ZIPSERV_MODE is 'turbo'; expected one of fast, exact"),
+    ("ZIPSERV_PREFER", "latency", "zipserv: ZIPSERV_PREFER is 'latency'; expected one of memory, speed"),
+    ("ZIPSERV_VERIFY", "some", "zipserv: ZIPSERV_VERIFY is 'some'; expected one of tiles, full, none"),
+    ("ZIPSERV_CPU_LAYOUT", "v2", "zipserv: ZIPSERV_CPU_LAYOUT is 'v2'; expected one of bytesplit, v1"),
+    ("ZIPSERV_CPU_FUSED_MAX_N", "many", "zipserv: ZIPSERV_CPU_FUSED_MAX_N must be an integer >= 0, got 'many'"),
+    ("ZIPSERV_AUTOTUNE", "yes", "zipserv: ZIPSERV_AUTOTUNE must be 0 or 1, got 'yes'"),
+]
+
+
+@pytest.mark.parametrize("name,value,line", BAD_SETTINGS)
+def test_every_bad_setting_is_refused_with_one_line_at_config_time(monkeypatch, name, value, line):
+    """Checked when vLLM builds the config (the process the user started), before any worker."""
+    from zipserv_vllm.vllm_plugin import errors
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+
+    monkeypatch.setenv(name, value)
+    for build in (ZipServConfig, lambda: ZipServConfig.from_config({"quant_method": "zipserv", "format_version": 1})):
+        with pytest.raises(ValueError) as exc:
+            build()
+        assert str(exc.value) == line and getattr(exc.value, "_zs_reported", False)
+    assert errors.ENV  # (the launcher test in test_errors.py shows the line a user sees)
+
+
+def test_checkpoint_settings_that_do_not_exist(monkeypatch):
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+
+    for name in ("ZIPSERV_MODE", "ZIPSERV_PREFER", "ZIPSERV_VERIFY"):
+        monkeypatch.delenv(name, raising=False)
+    for key, value, line in (
+            ("mode", "turbo", "zipserv: the checkpoint's quantization_config.mode is 'turbo'; expected one of fast, exact"),
+            ("prefer", "latency", "zipserv: quantization_config.prefer is 'latency'; expected one of memory, speed"),
+            ("verify", "some", "zipserv: the checkpoint's quantization_config.verify is 'some'; expected one of "
+                               "tiles, full, none")):
+        with pytest.raises(ValueError) as exc:
+            ZipServConfig.from_config({"quant_method": "zipserv", "format_version": 1, key: value})
+        assert str(exc.value) == line

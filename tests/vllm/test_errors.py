@@ -72,3 +72,14 @@ def test_llm_script_prints_the_line_first(llama_dirs, tmp_path):
     assert f"checkpoint tensor {LAYER}.zs_* is damaged" in err[i]
     assert err[i + 1] == "(vLLM's report of it follows)" and err[i + 2].startswith("Traceback")
     assert not any(x.startswith("Traceback") for x in err[i + 3:])  # nothing after it but vLLM's one report
+
+
+def test_bad_setting_through_the_launcher(llama_dirs):
+    """A ZIPSERV_* value that does not exist stops vLLM in the process the user started: one line, status 1."""
+    env = dict(_env(), ZIPSERV_THREADS="abc")
+    r = subprocess.run([sys.executable, "-m", "zipserv_vllm.serve", str(llama_dirs[1]), "--port", "1",
+                        "--enforce-eager", "--max-model-len", "128"], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=env)
+    lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+    assert r.returncode == 1
+    assert lines[-1] == "zipserv: error: ZIPSERV_THREADS must be an integer >= 1, got 'abc'", lines[-3:]

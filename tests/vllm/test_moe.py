@@ -292,3 +292,23 @@ def test_fast_mode_bound_catches_one_wrong_expert_tile(vllm_env, moe_dirs, tmp_p
     assert len(expert_parts(fast["memory"])) == 2 * EXPERTS * LAYERS
     assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
     assert max_score_diff(wrong, base) > 2 * MOE_FAST_LOGPROB_TOL
+
+
+def test_experts_without_tile_checksums_are_never_counted_checked(vllm_env, moe_dirs, tmp_path):
+    """Experts read tile by tile from a checkpoint without zs_crc: the summary says NOT checked."""
+    from vllm import LLM
+
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+    from zs_e2e import ENGINE_KW, _release, load_check
+
+    d = _bad(moe_dirs, tmp_path, lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".zs_crc")]])
+    llm = LLM(model=str(d), **ENGINE_KW)
+    try:
+        words, counts = llm.apply_model(load_check)[0]
+        paths = llm.apply_model(lambda m: weight_memory(m)["layer_paths"])[0]
+    finally:
+        _release(llm)
+    experts = [k for k, v in paths.items() if ".block_sparse_moe.experts." in k]
+    assert experts and all(paths[k] == "tiles" for k in experts)  # the tile path, not re-encoded
+    assert set(counts) == {"no checksums"} and counts["no checksums"] >= len(experts), counts
+    assert words.startswith("NOT checked: "), words

@@ -93,3 +93,15 @@ def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
         return result
     finally:
         _release(llm)
+
+
+def load_check(model) -> tuple[str, dict]:
+    """(the summary line's words on how the checkpoint was checked, weight_memory's "checked" counts)
+    of a loaded model: ``llm.apply_model(load_check)[0]``."""
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+    from zipserv_vllm.vllm_plugin.memory import weight_memory
+
+    methods = [getattr(m, "quant_method", None) for m in model.modules()]
+    cfgs = [c for q in methods for c in (getattr(q, "zs_config", None), getattr(q, "config", None))
+            if isinstance(c, ZipServConfig)]
+    return (cfgs[0].load_check() if cfgs else ""), weight_memory(model)["checked"]

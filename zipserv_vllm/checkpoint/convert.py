@@ -23,7 +23,7 @@ from ..codec import compress_tensor, crc32_bytes, decompress_tensor, default_thr
 from ..format import CompressedTensor, FormatError, high_counts, parse_meta, spec
 from .files import SideFiles, copy_side_files, plan_side_files, resolve_source, staged_directory
 from .names import (CONFIG_FILE, KINDS, QUANT_METHOD, SINGLE_FILE, compressible, layer_kind, module_name,
-                    plan_weight)
+                    WeightPlan, plan_weight)
 from .reader import Checkpoint, CheckpointError, Entry
 from .writer import ShardWriter, header_bound, planned_header
 
@@ -235,6 +235,8 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
                     _on_tensor(e.name, t)
                 nbytes = t.numel() * t.element_size()
                 plan = plan_weight(e.name, t.shape, ck.config) if compressible(e.name, t) else None
+                if plan is not None and t.numel() == 0:
+                    plan = WeightPlan("plain", f"an empty weight (shape {list(t.shape)}): nothing to compress")
                 if plan is not None and plan.action == "plain":
                     kept.append((e.name, plan.reason))
                     plan = None
@@ -408,6 +410,8 @@ class VerifyReport:
     seconds: float = 0.0
     files_checked: int = 0  # other files of the source found byte-identical (with ``against``)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # source files left out, and why
+    no_crc: list[str] = field(default_factory=list)  # compressed tensors whose zs_meta stores no CRC-32
+    no_crc_tiles: int = 0  # of those, how many had their tiles checked against zs_crc instead
 
     @property
     def ok(self) -> bool:
@@ -464,6 +468,8 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
             else:
                 report.files_checked += 1
     bar = _progress(sum(ck.entry_nbytes(e) for e in ck.entries), "verify", progress)
+    with_tile_crc: list[str] = []
+    without_tile_crc: list[str] = []
     try:
         for e, value in ck.iter_entries():
             if e.compressed:
@@ -471,6 +477,14 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
                 problem = _crc_problem(e, value, w, threads)
                 if problem:
                     report.problems.append(f"{e.name}: {problem}")
+                (with_tile_crc if value.tile_crc is not None else without_tile_crc).append(e.name)
+                if value.crc32 == spec.NO_CRC:  # nothing to compare the decoded matrix with: say so
+                    report.no_crc.append(e.name)
+                    try:
+                        if value.check_tiles(e.name):
+                            report.no_crc_tiles += 1
+                    except FormatError as exc:
+                        report.problems.append(f"{e.name}: {str(exc).split(': ', 1)[-1]}")
                 if e.prefix in flipped:
                     w = w.t()
                 report.compressed += 1
@@ -490,8 +504,18 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
             del w, value
     finally:
         bar.close()
+    if with_tile_crc and without_tile_crc:  # compress writes zs_crc for every matrix: damage or tampering
+        report.problems.append(mixed_tile_crc_problem(without_tile_crc[0], len(with_tile_crc)))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def mixed_tile_crc_problem(first_without: str, n_with: int) -> str:
+    """A checkpoint where some compressed matrices have tile checksums and others do not."""
+    name = first_without[: -len(".weight")] if first_without.endswith(".weight") else first_without
+    return (f"{name}.zs_crc is missing, while {n_with} other compressed "
+            f"matri{'ces have' if n_with != 1 else 'x has'} tile checksums (zipserv compress writes them for "
+            "every matrix): the checkpoint was damaged or edited; re-download or re-compress it")
 
 
 # ------------------------------------------------------------------------------ inspect

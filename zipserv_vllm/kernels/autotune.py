@@ -38,16 +38,15 @@ from pathlib import Path
 from . import dispatch
 from .dispatch import Plan
 
-PREFER = ("memory", "speed")
+from ..settings import PREFER  # one definition
 BUDGET_S = 10.0
 
 
 def prefer_policy(checkpoint_value: str | None = None) -> str:
-    v = (os.environ.get("ZIPSERV_PREFER") or checkpoint_value or PREFER[0]).strip().lower()
-    if v not in PREFER:
-        src = "ZIPSERV_PREFER" if os.environ.get("ZIPSERV_PREFER") else "quantization_config.prefer"
-        raise ValueError(f"zipserv: {src} is {v!r}; expected one of {', '.join(PREFER)}")
-    return v
+    """``ZIPSERV_PREFER`` if set, else the checkpoint's ``prefer``, else ``memory``."""
+    from ..settings import choice
+
+    return choice("ZIPSERV_PREFER", PREFER, checkpoint_value, "quantization_config.prefer")
 
 
 def buckets(max_n: int) -> list[int]:

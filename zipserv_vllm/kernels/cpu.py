@@ -87,13 +87,9 @@ def set_threads(threads: int | None) -> None:
 
 def fused_max_n() -> int:
     """Token count up to which the fused kernel is used (dispatch threshold)."""
-    env = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
-    if not env:
-        return FUSED_MAX_N_DEFAULT
-    try:
-        return int(env)
-    except ValueError:
-        raise ValueError(f"ZIPSERV_CPU_FUSED_MAX_N must be an integer, got {env!r}") from None
+    from ..settings import cpu_fused_max_n
+
+    return cpu_fused_max_n(FUSED_MAX_N_DEFAULT)
 
 
 def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:

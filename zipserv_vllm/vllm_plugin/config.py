@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..format import spec
 from . import compat, errors, loading, methods
 from ..format.cpu_layout import PackedTensor
@@ -32,45 +33,27 @@ VocabParallelEmbedding = compat.find("VocabParallelEmbedding")
 register_quantization_config = compat.find("register_quantization_config")
 
 NAME = "zipserv"
-MODES = ("fast", "exact")
+MODES = settings.MODES
 
 
 def resolve_mode(checkpoint_mode: str | None) -> str:
     """``ZIPSERV_MODE`` if set, else the checkpoint's mode, else ``fast``."""
-    env = os.environ.get("ZIPSERV_MODE")
-    mode = (env or checkpoint_mode or "fast").strip().lower()
-    if mode not in MODES:
-        source = "ZIPSERV_MODE" if env else "the checkpoint's quantization_config.mode"
-        raise ValueError(f"zipserv: {source} is {mode!r}; expected one of {', '.join(MODES)}")
-    return mode
+    return settings.choice("ZIPSERV_MODE", MODES, checkpoint_mode, "the checkpoint's quantization_config.mode")
 
 
 def resolve_verify(checkpoint_verify: str | None) -> str:
     """How a pre-compressed checkpoint's data is checked at load: ``ZIPSERV_VERIFY`` if set,
     else the checkpoint's ``"verify"``, else ``tiles`` (every tile a rank loads against its
     checksum); ``full`` also decodes every matrix and compares its CRC-32; ``none`` skips both."""
-    env = os.environ.get("ZIPSERV_VERIFY")
-    v = (env or checkpoint_verify or loading.VERIFY_MODES[0]).strip().lower()
-    if v not in loading.VERIFY_MODES:
-        source = "ZIPSERV_VERIFY" if env else "the checkpoint's quantization_config.verify"
-        raise ValueError(f"zipserv: {source} is {v!r}; expected one of {', '.join(loading.VERIFY_MODES)}")
-    return v
+    return settings.choice("ZIPSERV_VERIFY", settings.VERIFY_MODES, checkpoint_verify,
+                           "the checkpoint's quantization_config.verify")
 
 
 _PATH_WORDS = {"tiles": "loaded tile by tile", "packed": "packed at load", "re-encoded": "re-encoded at load"}
 
 
 def _page_bytes() -> int:
-    env = os.environ.get("ZIPSERV_ARENA_PAGE_MB")
-    if not env:
-        return DEFAULT_PAGE_BYTES
-    try:
-        mb = float(env)
-    except ValueError:
-        raise ValueError(f"zipserv: ZIPSERV_ARENA_PAGE_MB must be a number of MiB, got {env!r}") from None
-    if mb <= 0:
-        raise ValueError(f"zipserv: ZIPSERV_ARENA_PAGE_MB must be positive, got {env!r}")
-    return int(mb * (1 << 20))
+    return int(settings.arena_page_mb(DEFAULT_PAGE_BYTES / (1 << 20)) * (1 << 20))
 
 
 def _release_freed_memory() -> None:
@@ -96,6 +79,7 @@ class ZipServConfig(QuantizationConfig):
         super().__init__()
         try:
             check_vllm_version()
+            settings.check_all()  # every ZIPSERV_* variable, before any worker starts
             if format_version not in spec.SUPPORTED_VERSIONS:
                 raise ValueError(
                     f"zipserv: checkpoint format_version {format_version} is not supported by this zipserv-vllm "
@@ -105,13 +89,13 @@ class ZipServConfig(QuantizationConfig):
             from ..kernels.autotune import prefer_policy
 
             self.prefer = prefer_policy(prefer)
+            self.page_bytes = _page_bytes()
         except Exception as exc:
             raise errors.report(exc)
         self.precompressed = precompressed
         self.checkpoint_mode = mode
         self.format_version = format_version
         self.extra = dict(extra or {})
-        self.page_bytes = _page_bytes()
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -262,6 +246,9 @@ class ZipServConfig(QuantizationConfig):
         if not self.precompressed or repacked:
             _release_freed_memory()
         self.log_summary()
+        from . import errors
+
+        errors.clear_mine()  # this process's load went well: its earlier messages no longer apply
 
     # ------------------------------------------------------------ dispatcher
     def _tuner(self):
@@ -275,7 +262,7 @@ class ZipServConfig(QuantizationConfig):
 
         tuner = None
         timings = _os.environ.get("ZIPSERV_AUTOTUNE_TIMINGS")
-        if _os.environ.get("ZIPSERV_AUTOTUNE", "1") != "0":
+        if settings.flag("ZIPSERV_AUTOTUNE", True):
             max_n, decode_n = 8192, 256
             get_cfg = compat.find("get_current_vllm_config", required=False)
             try:
@@ -383,13 +370,23 @@ class ZipServConfig(QuantizationConfig):
                 f"{why} ({', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''})"
                 for why, names in reasons.items()))
 
+    def load_check(self) -> str:
+        """What the summary line says of how the checkpoint's data was checked ("" when packed at load)."""
+        return self._check_words([s for s in self._states if s.layer is not None and s.tied_to is None])[2:]
+
     def _check_words(self, live) -> str:
         if not self.precompressed:
             return ""
-        checked = {st.checked for st in live if st.parts and st.path != "packed"}
         if self.verify == "none":
             return "; data not checked (ZIPSERV_VERIFY=none)"
-        if "no checksums" in checked:
-            return ("; NOT checked: this checkpoint has no tile checksums (written before zipserv-vllm 0.2); "
-                    "ZIPSERV_VERIFY=full decodes and checks every matrix")
-        return "; every matrix decoded and CRC-checked" if self.verify == "full" else "; every tile checked"
+        from_ckpt = [st for st in live if st.path in ("tiles", "re-encoded")]  # as memory.weight_memory's "checked"
+        want = ("full",) if self.verify == "full" else ("tiles", "full")
+        short = [st for st in from_ckpt if st.checked not in want]  # what the words below must not claim
+        if not short:
+            return "; every matrix decoded and CRC-checked" if self.verify == "full" else "; every tile checked"
+        if self.verify == "full":
+            return (f"; NOT checked in full: {len(short)} of {len(from_ckpt)} layers have no CRC-32 stored in "
+                    f"zs_meta (e.g. {short[0].prefix}), their tiles were checked against zs_crc where present")
+        return (f"; NOT checked: {len(short)} of {len(from_ckpt)} layers have no tile checksums (e.g. "
+                f"{short[0].prefix}; written before zipserv-vllm 0.2); ZIPSERV_VERIFY=full decodes and checks "
+                "every matrix")

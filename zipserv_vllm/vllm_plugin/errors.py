@@ -8,12 +8,16 @@ the user started. So every error the plugin raises goes through :func:`report`:
 
 * it is logged at once as one ERROR line ``zipserv: ...`` (before the traceback
   of the process that meets it);
-* it is appended to a small file named by ``ZIPSERV_ERROR_FILE``, which the
-  first process to register the plugin (the one the user started) creates and
-  its children inherit;
+* it is appended, as ``<pid><TAB><message>``, to a small file named by
+  ``ZIPSERV_ERROR_FILE``, which the first process to register the plugin (the
+  one the user started) creates with ``mkstemp`` (a fresh, unpredictable name,
+  mode 0600) and its children inherit;
+* a process whose load then succeeds (:func:`clear_mine`, called once the memory
+  summary is logged) drops the lines it wrote itself, so a later failure never
+  shows a message about a load that went well;
 * that first process wraps ``sys.excepthook``: when it dies of an uncaught
-  exception, it prints ``zipserv: error: <the first message>`` first, then the
-  traceback vLLM made of it.
+  exception, it prints ``zipserv: error: <the newest message of this run>``
+  first, then the traceback vLLM made of it.
 
 This module imports no vLLM.
 """
@@ -36,13 +40,17 @@ def install() -> None:
     if _installed or os.environ.get(ENV):
         return
     _installed = True
-    path = os.path.join(tempfile.gettempdir(), f"zipserv-errors-{os.getpid()}.txt")
+    try:
+        fd, path = tempfile.mkstemp(prefix="zipserv-errors-", suffix=".txt")  # 0600, O_EXCL: no symlink, no reuse
+    except OSError:
+        return  # no writable temp directory: errors are still logged, only not repeated at the end
+    os.close(fd)
     os.environ[ENV] = path
     atexit.register(_remove, path)
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        first = first_error()
+        first = last_error()
         if first is None and isinstance(value, Exception) and str(value).startswith("zipserv"):
             first = str(value).strip().splitlines()[0]
         if first:
@@ -75,21 +83,48 @@ def report(exc: BaseException) -> BaseException:
         path = os.environ.get(ENV)
         if path:
             try:
-                with open(path, "a") as f:
-                    f.write(msg.replace("\n", " ") + "\n")
+                with open(path, "a") as f:  # one short write per line: appends of processes do not mix
+                    f.write(f"{os.getpid()}\t{msg.replace(chr(10), ' ')}\n")
             except OSError:
                 pass
     return exc
 
 
-def first_error() -> str | None:
-    """The first message any process of this run reported, or None."""
-    path = os.environ.get(ENV)
-    if not path:
-        return None
+def _records(path: str) -> list[tuple[str, str]]:
     try:
         with open(path) as f:
-            line = f.readline().strip()
+            lines = f.read().splitlines()
     except OSError:
-        return None
-    return line or None
+        return []
+    out = []
+    for line in lines:
+        pid, sep, msg = line.partition("\t")
+        if sep and msg.strip():
+            out.append((pid, msg.strip()))
+    return out
+
+
+def last_error() -> str | None:
+    """The newest message any process of this run reported (and did not clear), or None."""
+    path = os.environ.get(ENV)
+    recs = _records(path) if path else []
+    return recs[-1][1] if recs else None
+
+
+def clear_mine() -> None:
+    """After a successful load: drop the lines this process wrote (other processes' stay)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    me = str(os.getpid())
+    recs = _records(path)
+    if not any(pid == me for pid, _ in recs):
+        return
+    try:
+        with open(path, "r+") as f:
+            keep = [f"{pid}\t{msg}\n" for pid, msg in _records(path) if pid != me]
+            f.seek(0)
+            f.write("".join(keep))
+            f.truncate()
+    except OSError:
+        pass

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import settings
 from ..codec import compress_tensor, decompress_tensor
 from ..format import CompressedTensor, FormatError, parse_meta, spec
 from ..format.cpu_layout import PackedTensor
@@ -43,12 +44,16 @@ from .tiles import TilePlan, compressed_from_table, store_compressed
 WEIGHT = "weight"
 SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb: all required
 ALL_SUFFIXES = tuple(spec.ALL_SUFFIXES)  # plus zs_crc (tile checksums), optional
-VERIFY_MODES = ("tiles", "full", "none")  # ZIPSERV_VERIFY / quantization_config "verify"; the first is the default
+VERIFY_MODES = settings.VERIFY_MODES  # ZIPSERV_VERIFY / quantization_config "verify"; the first is the default
 # The dtype of each checkpoint array: placeholders are created with it, so vLLM's loader
 # never warns about a dtype change (it would for every array of a uint8 placeholder).
 ARRAY_DTYPES = {"zs_meta": torch.int64, "zs_bitmaps": torch.int64, "zs_base": torch.uint8, "zs_offsets": torch.int64,
                 "zs_sm": torch.uint8, "zs_fb": torch.int16, "zs_crc": torch.int32, WEIGHT: torch.bfloat16}
-CPU_LAYOUTS = ("bytesplit", "v1")  # ZIPSERV_CPU_LAYOUT values; the first is the default
+CPU_LAYOUTS = settings.CPU_LAYOUTS  # ZIPSERV_CPU_LAYOUT values; the first is the default
+
+
+NO_CHECKSUMS = "no checksums"    # LayerState.checked: a shard has no zs_crc (tiles mode)
+NO_CRC_STORED = "no CRC stored"  # LayerState.checked: a shard's zs_meta has no CRC-32 (full mode)
 
 
 class ZipServLoadError(ValueError):
@@ -57,10 +62,7 @@ class ZipServLoadError(ValueError):
 
 def cpu_layout() -> str:
     """``ZIPSERV_CPU_LAYOUT``: the in-memory layout of CPU fast mode (default ``bytesplit``)."""
-    v = (os.environ.get("ZIPSERV_CPU_LAYOUT") or "bytesplit").strip().lower()
-    if v not in CPU_LAYOUTS:
-        raise ValueError(f"zipserv: ZIPSERV_CPU_LAYOUT is {v!r}; expected one of {', '.join(CPU_LAYOUTS)}")
-    return v
+    return settings.cpu_layout()
 
 
 def uses_packed(device: torch.device, mode: str) -> bool:
@@ -88,7 +90,8 @@ class LayerState:
     tables: list[PageTable] = field(default_factory=list)
     part_shapes: list[tuple[int, int]] = field(default_factory=list)
     arena: PagedArena | None = None
-    checked: str = ""               # how its data was checked at load: tiles / full / no checksums / ""
+    checked: str = ""               # how its data was checked at load: tiles / full / no checksums /
+    #                                 no CRC stored / "" (nothing checked)
     bf16: bool = False              # kept uncompressed (reason logged)
     bf16_reason: str = ""
     tied_to: "LayerState | None" = None
@@ -478,21 +481,31 @@ def _damaged(state: LayerState, shard, exc: Exception, name: str | None = None) 
 
 def _check_full(state: LayerState, shard, ct: CompressedTensor, w: torch.Tensor | None = None) -> None:
     """The ``full`` check: decode the whole matrix and compare its CRC-32 with ``zs_meta``'s."""
+    if ct.crc32 == spec.NO_CRC:  # nothing to compare the decoded matrix with: say so, never "full"
+        state.checked = NO_CRC_STORED
+        return
     if w is None:
         w = decompress_tensor(ct)
-    if ct.crc32 != spec.NO_CRC:
-        from ..codec import crc32_bytes
+    from ..codec import crc32_bytes
 
-        got = crc32_bytes(w)
-        if got != (ct.crc32 & 0xFFFFFFFF):
-            raise _damaged(state, shard, FormatError(f"x: the decoded matrix's CRC-32 is {got:08x}, "
-                                                     f"zs_meta says {ct.crc32 & 0xFFFFFFFF:08x}"))
-    state.checked = "full"
+    got = crc32_bytes(w)
+    if got != (ct.crc32 & 0xFFFFFFFF):
+        raise _damaged(state, shard, FormatError(f"x: the decoded matrix's CRC-32 is {got:08x}, "
+                                                 f"zs_meta says {ct.crc32 & 0xFFFFFFFF:08x}"))
+    if state.checked != NO_CRC_STORED:  # a layer of several shards is "full" only if every shard was
+        state.checked = "full"
 
 
 def _note_unchecked(state: LayerState, ct: CompressedTensor, verify: str) -> None:
-    if verify == "tiles" and ct.tile_crc is None and state.checked != "full":
-        state.checked = "no checksums"
+    """A shard without tile checksums makes its layer "no checksums" in tiles mode (whatever its
+    other shards had): the summary must not count it as checked."""
+    if verify == "tiles" and ct.tile_crc is None:
+        state.checked = NO_CHECKSUMS
+
+
+def _mark_tiles_checked(state: LayerState) -> None:
+    if state.checked in ("", "tiles"):  # never over "full" nor over a shard that could not be checked
+        state.checked = "tiles"
 
 
 def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, torch.Tensor]],
@@ -512,8 +525,8 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor: {exc}") from None
             if verify != "none":
                 try:
-                    if ct.check_tiles(_ckpt_name(state, shard, "weight")) and state.checked != "full":
-                        state.checked = "tiles"
+                    if ct.check_tiles(_ckpt_name(state, shard, "weight")):
+                        _mark_tiles_checked(state)
                 except FormatError as exc:
                     raise _damaged(state, shard, exc) from None
                 _note_unchecked(state, ct, verify)
@@ -636,9 +649,8 @@ def load_plans(planned: list[tuple[LayerState, list[TilePlan]]], arenas: Callabl
     for st, plans in planned:
         for p, table in zip(plans, st.tables):
             try:
-                if p.copy_into(st.arena, table, check=None if verify == "none" else st.prefix) \
-                        and st.checked != "full":
-                    st.checked = "tiles"
+                if p.copy_into(st.arena, table, check=None if verify == "none" else st.prefix):
+                    _mark_tiles_checked(st)
             except FormatError as exc:
                 tile = getattr(exc, "tile", None)
                 raise _damaged(st, None, exc, p.source_of(tile[0]) if tile else None) from None

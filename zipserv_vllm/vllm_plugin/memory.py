@@ -62,6 +62,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
 
     arenas, compressed, bf16, paths, equiv, parts, layouts, by_layer = {}, 0, 0, {}, 0, {}, {}, {}
     referenced = 0
+    checked: dict[str, int] = {}
 
     def states(mod):
         st = mod.__dict__.get("_zs_state")
@@ -81,6 +82,9 @@ def weight_memory(model: torch.nn.Module) -> dict:
         if st.path:
             paths[st.path] = paths.get(st.path, 0) + 1
             by_layer[st.prefix] = st.path
+        if st.path in ("tiles", "re-encoded") and st.tied_to is None:  # read from a zipserv checkpoint
+            key = st.checked or "not checked"
+            checked[key] = checked.get(key, 0) + 1
     param_bytes = sum(storages.values())
     arena_bytes = sum(a.allocated_bytes for a in arenas.values())
     return {
@@ -99,4 +103,7 @@ def weight_memory(model: torch.nn.Module) -> dict:
         "compressed_bf16_bytes": equiv,
         "parts": parts,  # compressed matrices per layer: 1 = one GEMM per call in fast mode
         "layouts": layouts,  # layers per in-memory layout: v1 (TCA-TBE) or bytesplit (CPU fast mode)
+        # matrices read from a zipserv checkpoint, by how their data was checked at load:
+        # tiles / full / no checksums / no CRC stored / not checked (the summary line says the same)
+        "checked": checked,
     }

@@ -332,8 +332,8 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         try:
             ct.validate(name)
             if self.zs_config.verify != "none":
-                if ct.check_tiles(name) and st.checked != "full":
-                    st.checked = "tiles"
+                if ct.check_tiles(name):
+                    loading._mark_tiles_checked(st)
                 loading._note_unchecked(st, ct, self.zs_config.verify)
         except FormatError as exc:
             raise loading._damaged(st, shard, exc) from None
@@ -359,6 +359,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 return None
             if self.zs_config.verify == "full":
                 loading._check_full(st, sh, ct)
+            loading._note_unchecked(st, ct, self.zs_config.verify)  # copy_into checks only zs_crc'd tiles
             try:
                 label = loading._ckpt_name(st, sh, "zs_*")
                 plans.append(TilePlan.select(ct, *split, label=label) if split else TilePlan.select(ct, label=label))

@@ -110,6 +110,12 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
                 groups.setdefault(prefix, {})[suffix] = (path, info, data_start)
             elif suffix == "weight":
                 weights.add(prefix)
+    with_crc = [p for p, a in groups.items() if spec.TILE_CRC in a]
+    if with_crc and len(with_crc) < len(groups):
+        from ..checkpoint.convert import mixed_tile_crc_problem
+
+        first = next(p for p, a in groups.items() if spec.TILE_CRC not in a)
+        raise CheckpointError(f"zipserv: checkpoint tensor {mixed_tile_crc_problem(first, len(with_crc))}")
     unservable = _unservable(model_dir)
     for prefix, arrays in groups.items():
         why = unservable(prefix)
