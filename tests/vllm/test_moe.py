@@ -312,3 +312,21 @@ def test_experts_without_tile_checksums_are_never_counted_checked(vllm_env, moe_
     assert experts and all(paths[k] == "tiles" for k in experts)  # the tile path, not re-encoded
     assert set(counts) == {"no checksums"} and counts["no checksums"] >= len(experts), counts
     assert words.startswith("NOT checked: "), words
+
+
+def test_expert_parallelism_on_the_cpu_is_refused_with_one_line(moe_dirs, tmp_path):
+    """Untested on the CPU (the exact path ignores expert_map): a user's script stops with the line first."""
+    script = tmp_path / "ep.py"
+    script.write_text("from vllm import LLM\n\nif __name__ == '__main__':\n"
+                      f"    LLM(model={str(moe_dirs[1])!r}, tensor_parallel_size=2, enable_expert_parallel=True, "
+                      "enforce_eager=True, max_model_len=128)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("ZIPSERV_ERROR_FILE", None)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    err = r.stderr.splitlines()
+    assert r.returncode != 0
+    first = next((x for x in err if x.startswith("zipserv: error: ")), None)
+    assert first is not None and first.startswith(
+        "zipserv: error: expert parallelism (--enable-expert-parallel) is not supported with zipserv on the CPU "
+        "yet (model.layers.0.block_sparse_moe.experts: ep_size 2)"), r.stderr[-3000:]

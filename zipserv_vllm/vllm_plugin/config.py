@@ -184,6 +184,14 @@ class ZipServConfig(QuantizationConfig):
         if routed is not None and isinstance(layer, routed) and compat.find("UnquantizedFusedMoEMethod", required=False):
             from .moe import ZipServMoEMethod
 
+            par = getattr(layer.moe_config, "moe_parallel_config", None)
+            if getattr(par, "use_ep", False) and compat.find("current_platform").is_cpu():
+                # The CPU exact path runs vLLM's expert kernel over every local expert and ignores
+                # expert_map; untested (vLLM's own BF16 Mixtral crashes under CPU EP): refuse it.
+                raise errors.report(ValueError(
+                    f"zipserv: expert parallelism (--enable-expert-parallel) is not supported with zipserv on the "
+                    f"CPU yet ({prefix or 'a MoE layer'}: ep_size {getattr(par, 'ep_size', '?')}); serve without "
+                    "it (tensor parallelism splits the experts instead)"))
             return ZipServMoEMethod(layer.moe_config, self, prefix)
         name = type(layer).__name__
         if "MoE" in name or "Experts" in name:
