@@ -47,12 +47,34 @@ def test_cost_model_counts_the_partials_traffic():
     assert dispatch.choose(n, m, k, 132, gpu=no_l2).split == 1
 
 
-def test_cost_model_never_picks_a_plan_it_estimates_slower():
-    for (m, k) in LLAMA3_8B.values():
-        for n in (1, 3, 17, 100, 129, 300, 2048):
-            chosen = dispatch.choose(n, m, k, 132, gpu=H200)
-            best = min(dispatch.estimate(p, n, m, k, H200) for p in dispatch.candidates(n, m, k))
-            assert dispatch.estimate(chosen, n, m, k, H200) == best
+# A GPU whose compute and decode are far from any limit: every estimate is its bytes over the
+# bandwidth, which this test counts itself from the shapes (not from the module's formulas).
+UNBOUND = dispatch.Gpu("memory only", 1000.0, 1e9, 1, 1e6, 1e6)  # one SM: every grid fills it
+
+
+@pytest.mark.parametrize("m,k,n", [(4096, 4096, 1), (6144, 4096, 8), (128256, 4096, 3), (4096, 14336, 16)])
+def test_cost_model_against_independently_counted_bytes(m, k, n):
+    gbs = UNBOUND.hbm_gb_s * 1e9
+    weight_c = m * k * 11.3 / 8  # TCA-TBE at the paper's 11.3 bits per weight
+    weight_bf16 = m * k * 2
+    acts = n * k * 2 + n * m * 2  # X read, Y written, BF16
+    fused = dispatch.estimate(Plan("fused", dispatch.tile_n_for(n), 1), n, m, k, UNBOUND)
+    assert fused == pytest.approx((weight_c + acts) / (gbs * 0.75) + 2e-6, rel=1e-9)
+    bf16 = dispatch.estimate_bf16(n, m, k, UNBOUND)
+    assert bf16 == pytest.approx((weight_bf16 + acts) / (gbs * 0.85) + 2e-6, rel=1e-9)
+    # decoupled: decode reads the compressed weight and writes BF16, then the GEMM reads it again
+    dec = dispatch.estimate(Plan("decoupled"), n, m, k, UNBOUND)
+    assert dec == pytest.approx((weight_c + weight_bf16) / (gbs * 0.8) + (weight_bf16 + acts) / (gbs * 0.85)
+                                + 4e-6, rel=1e-9)
+    # where bandwidth rules (launches aside), the compressed kernel's advantage is its bytes
+    assert (bf16 - 2e-6) / (fused - 2e-6) == pytest.approx((weight_bf16 + acts) / 0.85 / ((weight_c + acts) / 0.75))
+
+
+def test_no_gpu_timings_exist_to_check_the_model_against():
+    """The cost model's GPU figures have never been compared with a measured kernel (no GPU was
+    lent to this project yet): the shipped tables say so, and none claims to be measured."""
+    for p in dispatch.table_dirs()[-1].glob("*.json"):
+        assert json.loads(p.read_text())["source"].startswith("not measured"), p
 
 
 def test_split_k_fills_the_gpu_only_when_m_cannot():

@@ -5,7 +5,9 @@
 * Fast CPU settings (vllm-plugin-notes section 3): in-process engine
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``enforce_eager``, a 32 MiB KV cache,
   ``max_model_len=128``, ``HF_HUB_OFFLINE=1``; ``ZIPSERV_MODE=exact`` so outputs
-  must be bit-identical to the BF16 model.
+  must be bit-identical to the BF16 model. Set per test (the ``vllm_env``
+  fixture) or around a module fixture's engine runs (``e2e_env()``), never for
+  the rest of the run.
 * Tiny checkpoints are built once per session with the shared builder and
   compressed with the project's checkpoint module.
 """
@@ -40,19 +42,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-from zs_e2e import ENV  # noqa: E402
+from zs_e2e import e2e_env  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def vllm_env():
-    old = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    yield dict(os.environ)
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """The settings for one test only: a test that does not ask for them (test_demo, the launcher
+    tests) runs with the environment a user has (fast mode, the multiprocess engine)."""
+    with e2e_env() as env:
+        yield env
 
 
 def _compress(src: Path, dst: Path) -> Path:

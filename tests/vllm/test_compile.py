@@ -21,17 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from zs_e2e import FAST_LOGPROB_TOL, max_score_diff
+from zs_e2e import FAST_LOGPROB_TOL, e2e_environ, max_score_diff
 
 HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(vllm_env, llama_dirs, tmp_path_factory):
+def compiled_runs(llama_dirs, tmp_path_factory):
     """base (BF16), zipserv exact and zipserv fast (pack at load), all compiled, in one fresh process."""
     bf16, _ = llama_dirs
     out = tmp_path_factory.mktemp("compile") / "runs.json"
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(e2e_environ(), PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, str(HERE / "compile_worker.py"), str(out), str(bf16)], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

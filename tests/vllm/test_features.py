@@ -22,7 +22,7 @@ SP = dict(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def dirs(vllm_env, llama_dirs, tmp_path_factory):
+def dirs(llama_dirs, tmp_path_factory):
     from zipserv_vllm.checkpoint import compress_checkpoint
     from zipserv_vllm.testing import build_tiny_model
     from zipserv_vllm.testing.zoo import build_lora_adapter
@@ -56,7 +56,7 @@ def _run(model, fn, **kw):
         _release(llm)
 
 
-def test_weight_updates(dirs):
+def test_weight_updates(vllm_env, dirs):
     from safetensors.torch import load_file
 
     fresh = _run(dirs["new"], _generate)
@@ -87,7 +87,7 @@ def test_weight_updates(dirs):
     assert _run(dirs["bf16"], push, quantization="zipserv") == fresh
 
 
-def test_weight_update_refused_with_one_line(dirs):
+def test_weight_update_refused_with_one_line(vllm_env, dirs):
     def fn(llm):
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(dirs["new_zs"])})
 
@@ -96,7 +96,7 @@ def test_weight_update_refused_with_one_line(dirs):
         _run(dirs["bf16"], fn, quantization="zipserv")
 
 
-def test_lora_on_a_compressed_base(dirs):
+def test_lora_on_a_compressed_base(vllm_env, dirs):
     from vllm.lora.request import LoRARequest
 
     lora = LoRARequest("tiny-lora", 1, str(dirs["lora"]))
@@ -111,7 +111,7 @@ def test_lora_on_a_compressed_base(dirs):
         assert _run(model, fn, **kw, **extra) == (base_lora, base_plain)
 
 
-def test_chunked_prefill_with_prefix_caching(dirs):
+def test_chunked_prefill_with_prefix_caching(vllm_env, dirs):
     prefix = ("A lossless format keeps every bit of every weight: the exponent window, the sign and "
               "the mantissa. ") * 3
     prompts = [prefix + p for p in PROMPTS[:4]] + [prefix + "and again", prefix + "and again"]
@@ -127,13 +127,19 @@ def test_chunked_prefill_with_prefix_caching(dirs):
         assert _run(model, fn, **kw, **extra) == base
 
 
-def test_pipeline_parallel_2(dirs, tmp_path):
+def test_pipeline_parallel_2(vllm_env, dirs, tmp_path):
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from zipserv_vllm.vllm_plugin.version import vllm_version
+
+    if vllm_version().startswith("0.32."):  # known, measured: skip before spawning two ranks for it
+        pytest.skip("vLLM 0.32's CPU backend cannot run pipeline parallel 2, BF16 included (AssertionError in "
+                    "sync_and_gather_intermediate_tensors, measured); zipserv creates state only for the layers a "
+                    "rank builds, so it would run wherever vLLM does")
     here = Path(__file__).parent
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", ZS_PARALLEL="pp",
                PYTHONPATH=str(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -157,13 +163,13 @@ def test_pipeline_parallel_2(dirs, tmp_path):
         assert res2[way]["tokens"] == res["base"]["tokens"] and res2[way]["logprobs"] == res["base"]["logprobs"]
 
 
-def test_sleep_mode_is_refused_by_vllm_on_cpu(dirs):
+def test_sleep_mode_is_refused_by_vllm_on_cpu(vllm_env, dirs):
     for model in (dirs["bf16"], dirs["zs"]):
         with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
             _engine(model, enable_sleep_mode=True)
 
 
-def test_prefer_speed_keeps_slower_layers_bf16(dirs, tmp_path, monkeypatch):
+def test_prefer_speed_keeps_slower_layers_bf16(vllm_env, dirs, tmp_path, monkeypatch):
     """The measuring dispatcher's policy, end to end with injected timings (no GPU here): with
     ZIPSERV_PREFER=speed a layer that no compressed plan makes as fast as BF16 (here the MLP's
     down projection, 256 x 688) is decoded once and kept BF16; the answers stay BF16's."""

@@ -10,55 +10,57 @@ from __future__ import annotations
 
 import pytest
 
-from zs_e2e import FAST_LOGPROB_TOL, PROMPTS, max_score_diff as _max_score_diff, run_engine
+from zs_e2e import FAST_LOGPROB_TOL, PROMPTS, e2e_env, max_score_diff as _max_score_diff, run_engine
 
 
 @pytest.fixture(scope="module")
-def llama_runs(vllm_env, llama_dirs):
+def llama_runs(llama_dirs):
     bf16, zs = llama_dirs
-    return {"base": run_engine(bf16, score="self"), "pre": run_engine(zs),
-            "pack": run_engine(bf16, quantization="zipserv")}
+    with e2e_env():
+        return {"base": run_engine(bf16, score="self"), "pre": run_engine(zs),
+                "pack": run_engine(bf16, quantization="zipserv")}
 
 
 @pytest.fixture(scope="module")
-def qwen2_runs(vllm_env, qwen2_dirs):
+def qwen2_runs(qwen2_dirs):
     bf16, zs = qwen2_dirs
-    return {"base": run_engine(bf16, chat=False), "pre": run_engine(zs, chat=False, quantization="zipserv"),
-            "pack": run_engine(bf16, chat=False, quantization="zipserv")}
+    with e2e_env():
+        return {"base": run_engine(bf16, chat=False), "pre": run_engine(zs, chat=False, quantization="zipserv"),
+                "pack": run_engine(bf16, chat=False, quantization="zipserv")}
 
 
 def _fast_run(model, base, layout=None, **kw):
     import os
 
-    os.environ["ZIPSERV_MODE"] = "fast"
-    if layout:
-        os.environ["ZIPSERV_CPU_LAYOUT"] = layout
-    try:
-        return run_engine(model, chat=False, score=base["score_seqs"], **kw)
-    finally:
-        os.environ["ZIPSERV_MODE"] = "exact"
-        os.environ.pop("ZIPSERV_CPU_LAYOUT", None)
+    with e2e_env():
+        os.environ["ZIPSERV_MODE"] = "fast"
+        if layout:
+            os.environ["ZIPSERV_CPU_LAYOUT"] = layout
+        try:
+            return run_engine(model, chat=False, score=base["score_seqs"], **kw)
+        finally:
+            os.environ.pop("ZIPSERV_CPU_LAYOUT", None)
 
 
 @pytest.fixture(scope="module")
-def llama_fast(vllm_env, llama_dirs, llama_runs):
+def llama_fast(llama_dirs, llama_runs):
     return _fast_run(llama_dirs[0], llama_runs["base"], quantization="zipserv")
 
 
 @pytest.fixture(scope="module")
-def llama_fast_pre(vllm_env, llama_dirs, llama_runs):
+def llama_fast_pre(llama_dirs, llama_runs):
     """Pre-compressed checkpoint in fast mode: v1 tiles loaded, then repacked."""
     return _fast_run(llama_dirs[1], llama_runs["base"])
 
 
 @pytest.fixture(scope="module")
-def llama_fast_v1(vllm_env, llama_dirs, llama_runs):
+def llama_fast_v1(llama_dirs, llama_runs):
     """Fast mode keeping TCA-TBE v1 in memory (ZIPSERV_CPU_LAYOUT=v1): the v1 fused kernel."""
     return _fast_run(llama_dirs[1], llama_runs["base"], layout="v1")
 
 
 @pytest.fixture(scope="module")
-def llama_fast_corrupt(vllm_env, llama_dirs, llama_runs, tmp_path_factory):
+def llama_fast_corrupt(llama_dirs, llama_runs, tmp_path_factory):
     """Negative control: the pre-compressed checkpoint with ONE 64x64 tile altered
     (layer 0 o_proj, tile (0, 0): base_exp + 1, i.e. its in-window weights doubled;
     the format stays valid; loaded with ZIPSERV_VERIFY=none, since the tile
@@ -159,7 +161,7 @@ def test_fast_mode_bound_catches_one_corrupted_tile(llama_fast_corrupt, llama_ru
 
 
 @pytest.fixture(scope="module")
-def mixed_run(vllm_env, llama_dirs, tmp_path_factory):
+def mixed_run(llama_dirs, tmp_path_factory):
     """A pre-compressed checkpoint that stores one layer (layer 0's o_proj) uncompressed."""
     import shutil
 
@@ -172,7 +174,8 @@ def mixed_run(vllm_env, llama_dirs, tmp_path_factory):
     tensors = {k: v for k, v in load_file(d / "model.safetensors").items() if not k.startswith(name + ".")}
     tensors[name + ".weight"] = load_file(bf16 / "model.safetensors")[name + ".weight"]
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-    return run_engine(d, chat=False)
+    with e2e_env():
+        return run_engine(d, chat=False)
 
 
 def test_layer_stored_uncompressed_stays_bf16(mixed_run, llama_runs):

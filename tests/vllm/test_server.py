@@ -17,6 +17,7 @@ import contextlib
 import pytest
 
 from zipserv_vllm import serve
+from zs_e2e import e2e_env
 
 READY_TIMEOUT = 240
 SERVER_ARGS = ("--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128",
@@ -52,10 +53,13 @@ def _servers(specs: dict, args, logs):
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_env, llama_dirs, tmp_path_factory):
+def servers(llama_dirs, tmp_path_factory):
     bf16, _ = llama_dirs
     logs = tmp_path_factory.mktemp("server")
-    with _servers({"base": (bf16, ()), "zipserv": (bf16, ("--quantization", "zipserv"))}, SERVER_ARGS, logs) as urls:
+    with contextlib.ExitStack() as stack:
+        with e2e_env():  # the servers start with the settings; the module's tests run without them
+            urls = stack.enter_context(_servers({"base": (bf16, ()), "zipserv": (bf16, ("--quantization", "zipserv"))},
+                                                SERVER_ARGS, logs))
         yield urls, logs
 
 
@@ -68,8 +72,11 @@ def _client(url):
 def _ask(url) -> dict:
     c = _client(url)
     models = [m.id for m in c.models.list().data]
-    comp = c.completions.create(model="tiny", prompt=["hello world", "The quick brown fox"], max_tokens=12,
-                                temperature=0.0, logprobs=1, extra_body={"ignore_eos": True})
+    # One prompt per request, one request at a time: two prompts in one request are batched as
+    # their arrival allows, and batch shape changes the GEMM's summation (BF16's too).
+    comps = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0, logprobs=1,
+                                  extra_body={"ignore_eos": True}).choices[0]
+             for p in ("hello world", "The quick brown fox")]
     stream = c.completions.create(model="tiny", prompt="def forward(self, x):", max_tokens=12, temperature=0.0,
                                   stream=True, extra_body={"ignore_eos": True})
     streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
@@ -77,8 +84,8 @@ def _ask(url) -> dict:
                                      max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     return {
         "models": models,
-        "texts": [ch.text for ch in sorted(comp.choices, key=lambda ch: ch.index)],
-        "logprobs": [ch.logprobs.token_logprobs for ch in sorted(comp.choices, key=lambda ch: ch.index)],
+        "texts": [ch.text for ch in comps],
+        "logprobs": [ch.logprobs.token_logprobs for ch in comps],
         "streamed": streamed,
         "chat": chat.choices[0].message.content,
     }

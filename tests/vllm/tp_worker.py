@@ -3,7 +3,8 @@
 Started in a subprocess by test_tensor_parallel.py: TP=2 on CPU needs the
 multi-process executor and ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and it must
 not share the test process's in-process engine state.
-Usage: python tp_worker.py OUT.json NAME=DIR[,quantization] ...
+Usage: python tp_worker.py OUT.json NAME=DIR[,quantization][,tp1] ...
+(``tp1``: that engine at tensor-parallel size 1, the reference of per-rank sizes)
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ def main() -> None:
     out, results = sys.argv[1], {}
     for spec in sys.argv[2:]:
         name, _, rest = spec.partition("=")
-        model, _, quant = rest.partition(",")
-        kw = {"quantization": quant} if quant else {}
+        model, *opts = rest.split(",")
+        quant = [o for o in opts if o != "tp1"]
+        kw = {"quantization": quant[0]} if quant else {}
         size = {"pipeline_parallel_size": 2} if os.environ.get("ZS_PARALLEL") == "pp" else {"tensor_parallel_size": 2}
+        if "tp1" in opts:
+            size = {}
         llm = LLM(model=model, **size, **{**ENGINE_KW, **kw})
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 from pathlib import Path
 
 ENV = {
@@ -105,3 +107,23 @@ def load_check(model) -> tuple[str, dict]:
     cfgs = [c for q in methods for c in (getattr(q, "zs_config", None), getattr(q, "config", None))
             if isinstance(c, ZipServConfig)]
     return (cfgs[0].load_check() if cfgs else ""), weight_memory(model)["checked"]
+
+
+@contextlib.contextmanager
+def e2e_env():
+    """The fast CPU settings (zs_e2e.ENV) for the duration of the block, then the environment as it was."""
+    old = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        yield dict(os.environ)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def e2e_environ() -> dict:
+    """A child process's environment with the fast CPU settings (this process's stays as it is)."""
+    return {**os.environ, **ENV}

@@ -157,7 +157,8 @@ def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = 
     wc = bits_per_weight / 8 * m * k
     if plan.path == "decoupled":
         dec_blocks = -(-m // TILE) * -(-k // TILE)
-        t_dec = _mem_s(wc + 2.0 * m * k, gpu, 0.8, dec_blocks / (gpu.sms * 4)) + LAUNCH_S
+        # (a grid larger than the GPU does not read faster than its memory: fill is at most 1)
+        t_dec = _mem_s(wc + 2.0 * m * k, gpu, 0.8, min(1.0, dec_blocks / (gpu.sms * 4))) + LAUNCH_S
         t_mm = max(_mem_s(2.0 * m * k + xy, gpu, 0.85), flops / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
         return t_dec + t_mm
     passes = -(-n // TILE_NS[-1]) if n > TILE_NS[-1] else 1
