@@ -188,7 +188,35 @@ def test_refuses_non_bf16(tmp_path, capsys, dtype, code):
     rc, _, err = run(["compress", src, tmp_path / "o"], capsys)
     line = one_error_line(err)
     assert rc == 2 and f"tensor lm_head.weight is {code}, not BF16" in line and "lossless" in line
+    assert "`--dtype bfloat16`" in line  # the error names the flag
     assert not (tmp_path / "o").exists() and no_staging_left(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_dtype_bfloat16_casts_as_vllm_does(tmp_path, capsys, dtype):
+    """--dtype bfloat16: each compressed weight is the source's cast by Tensor.to (round to nearest
+    even, what vLLM's param.data.copy_ does); other tensors are copied as they are; verify --against
+    compares with the cast source."""
+    src = build_tiny_model(tmp_path / "src", dtype=dtype, **SMALL)
+    rc, out, err = run(["compress", src, tmp_path / "zs", "--dtype", "bfloat16"], capsys)
+    assert rc == 0, err
+    cfg = json.loads((tmp_path / "zs" / "config.json").read_text())
+    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16" and cfg["quantization_config"]["source_dtype"] == dtype
+    assert run(["decompress", tmp_path / "zs", tmp_path / "back"], capsys)[0] == 0
+    orig, back = load_all(src), load_all(tmp_path / "back")
+    compressed = cfg["quantization_config"]["compressed_modules"]
+    assert compressed and set(orig) == set(back)
+    for name, t in orig.items():
+        if name[: -len(".weight")] in compressed:
+            assert back[name].dtype == torch.bfloat16
+            assert torch.equal(back[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+        else:
+            assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    rc, out, err = run(["verify", tmp_path / "zs", "--against", src], capsys)
+    assert rc == 0 and f"(its {dtype} weights cast to BF16 as vLLM casts them)" in out, err
+    with pytest.raises(SystemExit) as exc:
+        main(["compress", str(src), str(tmp_path / "o2"), "--dtype", "float8"])
+    assert exc.value.code == 2 and "invalid choice: 'float8'" in capsys.readouterr().err
 
 
 def test_refuses_quantized_source(small, tmp_path, capsys):

@@ -68,7 +68,7 @@ def _cmd_compress(a) -> int:
     from .checkpoint import compress_checkpoint
 
     r = compress_checkpoint(a.src, a.dst, overwrite=a.overwrite, max_shard_bytes=a.max_shard_size,
-                            threads=a.threads, mode=a.mode, progress=a.progress, check=a.check)
+                            threads=a.threads, mode=a.mode, progress=a.progress, check=a.check, dtype=a.dtype)
     t = r.summary.total
     print(f"compressed {r.src} -> {r.dst}: {len(r.compressed_modules)} of {t.tensors} tensors, "
           f"{r.shards} shard{'s' * (r.shards != 1)}, {r.seconds:.2f} s ({r.gb_per_s:.3f} GB/s)")
@@ -140,7 +140,8 @@ def _cmd_verify(a) -> int:
         line = f"OK {r.path}: {r.compressed} compressed tensors decoded with matching CRC-32, "
     line += f"{r.copied} copied tensors read, index and shards complete"
     if r.against is not None:
-        line += (f"; all {r.compressed + r.copied} tensors bit-identical to {r.against}, and its "
+        cast = f" (its {r.source_dtype} weights cast to BF16 as vLLM casts them)" if r.source_dtype else ""
+        line += (f"; all {r.compressed + r.copied} tensors bit-identical to {r.against}{cast}, and its "
                  f"{r.files_checked} other files byte-identical")
         if r.duplicates:
             line += f" ({len(r.duplicates)} copies of the main weights left out: {_names([d[0] for d in r.duplicates])})"
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", metavar="SIZE", type=_size_arg, default="5GB", help="largest shard, e.g. 5GB, 500MB (default 5GB)")
     c.add_argument("--mode", choices=("fast", "exact"), default="fast",
                    help="GEMM mode recorded in quantization_config (default fast)")
+    c.add_argument("--dtype", choices=("bfloat16",), default=None,
+                   help="take an FP32 / FP16 checkpoint: cast each compressed weight to BF16 as vLLM's loader does "
+                        "with --dtype bfloat16 (default: refuse anything but BF16)")
     c.add_argument("--no-check", dest="check", action="store_false",
                    help="skip decoding each weight again before writing it")
     progress_opt(c)

@@ -183,3 +183,18 @@ def test_layer_stored_uncompressed_stays_bf16(mixed_run, llama_runs):
     mem = mixed_run["memory"]
     assert mem["load_paths"] == {"tiles": 9, "bf16": 1}
     assert mem["layers_bf16"] == 1 and mem["layers_compressed"] == 9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cast_checkpoint_equals_vllm_serving_the_source_as_bfloat16(vllm_env, tmp_path, dtype):
+    """zipserv compress --dtype bfloat16 of an FP32 / FP16 model, served with vLLM's default dtype
+    (config.json says bfloat16), is bit-identical to vLLM serving the source with dtype=bfloat16."""
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.tiny_model import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src", "llama", dtype=dtype, seed=3)
+    zs = compress_checkpoint(src, tmp_path / "zs", progress=False, dtype="bfloat16").dst
+    base = run_engine(src, chat=False)  # ENGINE_KW: dtype="bfloat16", vLLM casts while loading
+    got = run_engine(zs, chat=False, dtype="auto")
+    assert got["memory"]["layers_compressed"] == 10
+    assert got["tokens"] == base["tokens"] and got["logprobs"] == base["logprobs"]

@@ -165,7 +165,11 @@ class CompressReport:
         return self.summary.total.before / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _check_source(ck: Checkpoint) -> None:
+CAST_DTYPES = {"bfloat16": torch.bfloat16}  # compress --dtype: what vLLM's --dtype would load the weights as
+_SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "BF16": "bfloat16"}
+
+
+def _check_source(ck: Checkpoint, cast: str | None = None) -> None:
     q = ck.quantization_config
     if q is not None:
         method = q.get("quant_method", "?")
@@ -177,8 +181,23 @@ def _check_source(ck: Checkpoint) -> None:
                                   "declare quant_method 'zipserv'")
         if compressible(e.name, e.shape) and e.dtype != "BF16" and \
                 plan_weight(e.name, e.shape, ck.config).action != "plain":
+            if cast is not None and e.dtype in ("F32", "F16"):
+                continue
+            if cast is not None:
+                raise CheckpointError(f"{ck.path}: tensor {e.name} is {e.dtype}: --dtype {cast} casts F32 and F16 "
+                                      "weights only")
             raise CheckpointError(f"{ck.path}: tensor {e.name} is {e.dtype}, not BF16: zipserv is lossless for "
-                                  "bfloat16 weights only and will not convert it")
+                                  "bfloat16 weights only and will not convert it; `--dtype bfloat16` stores what "
+                                  "vLLM serves with --dtype bfloat16 (the weights cast as its loader casts them)")
+
+
+def _source_dtype(ck: Checkpoint) -> str:
+    """The floating dtype of the source's compressible weights (its config's torch_dtype if none)."""
+    seen = {e.dtype for e in ck.entries if e.shape is not None and compressible(e.name, e.shape)}
+    seen &= set(_SOURCE_DTYPES)
+    if len(seen) == 1:
+        return _SOURCE_DTYPES[seen.pop()]
+    return str(ck.config.get("dtype") or ck.config.get("torch_dtype") or "mixed")
 
 
 def _header_names(ck: Checkpoint, e: Entry) -> list[tuple[str, tuple[int, ...]]]:
@@ -191,7 +210,7 @@ def _header_names(ck: Checkpoint, e: Entry) -> list[tuple[str, tuple[int, ...]]]
 
 def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                         threads: int | None = None, mode: str = "fast", progress: bool | None = None,
-                        backend: str = "auto", check: bool = True,
+                        backend: str = "auto", check: bool = True, dtype: str | None = None,
                         _on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> CompressReport:
     """Write a zipserv checkpoint of the BF16 checkpoint ``src`` (a directory or a Hub id) into ``dst``.
 
@@ -205,15 +224,26 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
     report). With ``check`` each weight is decoded again and compared bit for
     bit before it is written. ``_on_tensor`` is a test hook called with each
     source tensor.
+
+    ``dtype="bfloat16"`` takes an FP32 or FP16 checkpoint: each weight that is
+    compressed is first cast to BF16 exactly as vLLM's loader casts it when it
+    serves the source with ``--dtype bfloat16`` (``Tensor.to``: round to nearest
+    even); other tensors are copied unchanged (vLLM casts them at load as it
+    would the source's). ``config.json`` then says ``torch_dtype`` bfloat16 and
+    ``quantization_config.source_dtype`` the source's dtype: the contract is
+    vLLM serving the source with ``dtype=bfloat16``, bit for bit.
     """
     if mode not in MODES:
         raise CheckpointError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if max_shard_bytes < 1:
         raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
     src_path = resolve_source(src)
     dst = Path(dst)
     ck = Checkpoint.open(src_path)
-    _check_source(ck)
+    _check_source(ck, dtype)
+    source_dtype = _source_dtype(ck) if dtype is not None else None
     _check_destination(src_path, dst)
     threads = threads or default_threads()
     total = sum(ck.entry_nbytes(e) for e in ck.entries)
@@ -243,6 +273,8 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
                 ct = None
                 if plan is not None:
                     w = t.t().contiguous() if plan.action == "transpose" else t
+                    if dtype is not None and w.dtype != CAST_DTYPES[dtype]:
+                        w = w.to(CAST_DTYPES[dtype])  # as vLLM's param.data.copy_(loaded_weight) rounds it
                     ct = compress_tensor(w, backend=backend, threads=threads, checksums=True)
                     if ct.nbytes >= nbytes:
                         kept.append((e.name, "its compressed form would not be smaller than BF16"))
@@ -285,6 +317,11 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
         }
         if transposed:
             config["quantization_config"]["transposed_modules"] = transposed
+        if source_dtype is not None:
+            config["quantization_config"]["source_dtype"] = source_dtype
+            # what vLLM serves (and what --dtype auto then picks): newer transformers write "dtype",
+            # older ones "torch_dtype"; both are set so that every reader sees the same
+            config["torch_dtype"] = config["dtype"] = dtype
         _write_config(tmp, config)
         side = plan_side_files(src_path, main=set(ck.main_files), skip={CONFIG_FILE})
         copy_side_files(src_path, tmp, side)
@@ -412,6 +449,7 @@ class VerifyReport:
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # source files left out, and why
     no_crc: list[str] = field(default_factory=list)  # compressed tensors whose zs_meta stores no CRC-32
     no_crc_tiles: int = 0  # of those, how many had their tiles checked against zs_crc instead
+    source_dtype: str | None = None  # compress --dtype: the source's dtype (compared after the cast)
 
     @property
     def ok(self) -> bool:
@@ -440,6 +478,8 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
     threads = threads or default_threads()
     start = time.perf_counter()
     flipped = transposed_modules(ck)
+    report.source_dtype = ck.config["quantization_config"].get("source_dtype")
+    cast = CAST_DTYPES.get(str(ck.config.get("dtype") or ck.config.get("torch_dtype"))) if report.source_dtype else None
     declared = ck.config["quantization_config"].get("compressed_modules")
     found = [e.prefix for e in ck.entries if e.compressed]
     if isinstance(declared, list) and set(declared) != set(found):
@@ -493,6 +533,8 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
                 report.copied += 1
             if ref is not None and e.name in ref.tensors:
                 other = ref.read_tensor(e.name)
+                if e.compressed and cast is not None and other.dtype != cast:
+                    other = other.to(cast)  # compress --dtype: the contract is the cast source
                 if not _same_bits(w, other, threads):
                     detail = (f"{other.dtype} {list(other.shape)} there, {w.dtype} {list(w.shape)} here"
                               if (other.dtype, tuple(other.shape)) != (w.dtype, tuple(w.shape))
