@@ -31,6 +31,7 @@ static py::dict format_constants() {
   d["pad_code"] = kPadCode;
   d["pad_sm"] = static_cast<int>(kPadSm);
   d["meta_len"] = kMetaLen;
+  d["meta_len_minor0"] = kMetaLenMinor0;
   d["no_crc"] = kNoCrc;
   d["tile_bitmap_bytes"] = kTileBitmapBytes;
   std::vector<int> r0, c0;

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 pytest.importorskip("transformers")
 
 from zipserv_vllm.cli import main  # noqa: E402
+from zipserv_vllm.format import spec  # noqa: E402
 from zipserv_vllm.testing import build_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,7 +280,8 @@ def test_unknown_format_version(small, tmp_path, capsys):
         assert rc == 2 and "format version 2 is not supported by this zipserv-vllm (supported: 1)" in one_error_line(err)
 
     def bump(t):
-        t[f"{Q}.zs_meta"][1] = 2
+        t[f"{Q}.zs_meta"][1] = 2  # as a later zipserv would write it: with its checksum
+        t[f"{Q}.zs_meta"][5] = spec.meta_checksum(t[f"{Q}.zs_meta"].tolist())
 
     bad2 = mutate(zs, tmp_path / "m", bump)
     for cmd in (["verify", bad2], ["inspect", bad2], ["decompress", bad2, tmp_path / "o"]):
@@ -430,7 +432,8 @@ def test_verify_says_when_no_crc_is_stored(small, tmp_path, capsys):
     src, zs = small
 
     def drop_crc(t):
-        t[f"{Q}.zs_meta"][4] = -1
+        t[f"{Q}.zs_meta"][4] = -1  # as a writer that stored no CRC would (its checksum agrees)
+        t[f"{Q}.zs_meta"][5] = spec.meta_checksum(t[f"{Q}.zs_meta"].tolist())
 
     bad = mutate(zs, tmp_path, drop_crc)
     rc, out, err = run(["verify", bad], capsys)

@@ -24,7 +24,8 @@ def test_arrays_roundtrip_and_nbytes():
     ct = _ref(_w(70, 130))
     arrays = ct.arrays()
     assert list(arrays) == list(spec.SUFFIXES)
-    assert arrays["zs_meta"].tolist() == [spec.MAGIC, spec.VERSION, 70, 130, spec.NO_CRC]
+    first = [spec.MAGIC, spec.VERSION, 70, 130, spec.NO_CRC]
+    assert arrays["zs_meta"].tolist() == first + [spec.meta_checksum(first)]
     assert ct.nbytes == sum(t.numel() * t.element_size() for t in arrays.values())
     # Size formula of FORMAT.md section 6.
     g = ct.grid[0] * ct.grid[1]
@@ -36,12 +37,36 @@ def test_arrays_roundtrip_and_nbytes():
 def test_unknown_version_and_magic_refused():
     arrays = _ref(_w(64, 64)).arrays()
     arrays["zs_meta"] = arrays["zs_meta"].clone()
-    arrays["zs_meta"][1] = 7
+    arrays["zs_meta"][1] = 7  # a later format, written with its checksum
+    arrays["zs_meta"][5] = spec.meta_checksum(arrays["zs_meta"].tolist())
     with pytest.raises(FormatError, match=r"w\.q: format version 7 is not supported"):
         CompressedTensor.from_arrays(arrays, name="w.q")
     arrays["zs_meta"][1] = spec.VERSION
     arrays["zs_meta"][0] = 1234
     with pytest.raises(FormatError, match="bad magic"):
+        CompressedTensor.from_arrays(arrays)
+
+
+@pytest.mark.parametrize("index,value", [(1, 7), (2, 65), (3, 128), (4, 12345), (5, 0)])
+def test_damaged_meta_is_refused_by_its_checksum(index, value):
+    """Minor version 1: zs_meta's shape and CRC-32 are covered by its 6th value."""
+    arrays = _ref(_w(64, 64)).arrays()
+    arrays["zs_meta"] = arrays["zs_meta"].clone()
+    arrays["zs_meta"][index] = value
+    with pytest.raises(FormatError, match=r"w\.q: zs_meta does not match its checksum .*: its shape or CRC-32 is "
+                                          r"damaged"):
+        CompressedTensor.from_arrays(arrays, name="w.q")
+
+
+def test_minor_version_0_meta_is_read_by_its_rules():
+    """A zs_meta of 5 values (written before the checksum) still loads."""
+    ct = _ref(_w(64, 128))
+    arrays = ct.arrays()
+    arrays["zs_meta"] = arrays["zs_meta"][:5].clone()
+    again = CompressedTensor.from_arrays(arrays)
+    assert again.same_encoding(ct) and again.crc32 == ct.crc32
+    arrays["zs_meta"] = torch.cat([arrays["zs_meta"], torch.zeros(2, dtype=torch.int64)])
+    with pytest.raises(FormatError, match=r"zs_meta must be int64 \[6\] \(or \[5\] before its checksum\)"):
         CompressedTensor.from_arrays(arrays)
 
 
@@ -70,7 +95,8 @@ def test_misaligned_offset_refused():
 def test_wrong_grid_refused():
     arrays = _ref(_w(128, 64)).arrays()
     arrays["zs_meta"] = arrays["zs_meta"].clone()
-    arrays["zs_meta"][2] = 300  # claims 5 tile rows, stores 2
+    arrays["zs_meta"][2] = 300  # claims 5 tile rows, stores 2 (and its checksum agrees)
+    arrays["zs_meta"][5] = spec.meta_checksum(arrays["zs_meta"].tolist())
     with pytest.raises(FormatError, match="zs_bitmaps must be"):
         CompressedTensor.from_arrays(arrays)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from zipserv_vllm.format import spec
 from zs_e2e import ENGINE_KW
 
 LAYER = "model.layers.1.self_attn.o_proj"
@@ -78,12 +79,33 @@ def test_wrong_format_version_in_tensor(vllm_env, llama_dirs, tmp_path):
 
     def bump(t):
         meta = t[f"{LAYER}.zs_meta"].clone()
-        meta[1] = 7
+        meta[1] = 7  # a later format, written with its checksum
+        meta[5] = spec.meta_checksum(meta.tolist())
         t[f"{LAYER}.zs_meta"] = meta
 
     _edit_tensors(d, bump)
     with pytest.raises(Exception, match=rf"{LAYER}\.zs_meta: format version 7 is not supported"):
         _load(d)
+
+
+def test_damaged_meta_is_refused_in_the_front_end(vllm_env, llama_dirs, tmp_path):
+    """A zs_meta whose shape was altered no longer matches its checksum (format minor version 1);
+    one whose checksum was dropped (5 values) among others that have one is refused too."""
+    d = _copy(llama_dirs[1], tmp_path, "meta_shape")
+
+    def shape(t):
+        meta = t[f"{LAYER}.zs_meta"].clone()
+        meta[2] = 128
+        t[f"{LAYER}.zs_meta"] = meta
+
+    _edit_tensors(d, shape)
+    with pytest.raises(Exception, match=rf"{LAYER}\.zs_meta: zs_meta does not match its checksum"):
+        _load(d)
+    d2 = _copy(llama_dirs[1], tmp_path, "meta_short")
+    _edit_tensors(d2, lambda t: t.__setitem__(f"{LAYER}.zs_meta", t[f"{LAYER}.zs_meta"][:5].clone()))
+    with pytest.raises(Exception, match=rf"checkpoint tensor {LAYER}\.zs_meta has no checksum, while \S+\.zs_meta "
+                                        r"and others do: the checkpoint was damaged or edited"):
+        _load(d2)
 
 
 def test_unexpected_tensor(vllm_env, llama_dirs, tmp_path):
@@ -161,7 +183,8 @@ def test_verify_modes(vllm_env, llama_dirs, tmp_path, monkeypatch):
 
     def no_crc(t):
         meta = t[f"{LAYER}.zs_meta"].clone()
-        meta[4] = -1
+        meta[4] = -1  # a writer that stored no CRC-32 (its checksum agrees)
+        meta[5] = spec.meta_checksum(meta.tolist())
         t[f"{LAYER}.zs_meta"] = meta
 
     d3 = _copy(llama_dirs[1], tmp_path, "no_crc")

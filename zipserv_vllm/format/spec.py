@@ -22,7 +22,9 @@ SM_ALIGN = 16  # sign-mantissa segment alignment, bytes
 FB_ALIGN = 8  # fallback segment alignment, elements (16 bytes)
 PAD_CODE = 1  # code of a padding element
 PAD_SM = 0  # its sign-mantissa byte
-META_LEN = 5  # zs_meta: magic, version, M, K, crc32
+META_LEN = 6  # zs_meta: magic, version, M, K, crc32, meta checksum (minor version 1: FORMAT.md section 6)
+META_LEN_MINOR0 = 5  # zs_meta of minor version 0 (no meta checksum): read by its own rules
+META_LENS = (META_LEN_MINOR0, META_LEN)
 NO_CRC = -1
 
 # Names of the stored arrays of one compressed matrix, in spec order.
@@ -32,6 +34,14 @@ TILE_CRC = "zs_crc"
 OPTIONAL_SUFFIXES = (TILE_CRC,)
 ALL_SUFFIXES = SUFFIXES + OPTIONAL_SUFFIXES
 TILE_BITMAP_BYTES = PLANES * FRAGS_PER_TILE * 8  # 1536: the first bytes a tile checksum covers
+
+
+def meta_checksum(values) -> int:
+    """The 6th zs_meta value: the zlib CRC-32 of the first five as little-endian int64 bytes."""
+    import struct
+    import zlib
+
+    return zlib.crc32(struct.pack("<5q", *(int(v) for v in values[:5])))
 
 
 def frag_row0(f: int) -> int:
@@ -75,6 +85,7 @@ def constants() -> dict:
         "pad_code": PAD_CODE,
         "pad_sm": PAD_SM,
         "meta_len": META_LEN,
+        "meta_len_minor0": META_LEN_MINOR0,
         "no_crc": NO_CRC,
         "tile_bitmap_bytes": TILE_BITMAP_BYTES,
         "frag_row0": [frag_row0(f) for f in range(FRAGS_PER_TILE)],

@@ -61,12 +61,26 @@ def _gather_segments(stream: torch.Tensor, starts: np.ndarray, lengths: np.ndarr
     return out
 
 
+def meta_values(m: int, k: int, crc32: int, version: int = spec.VERSION) -> list[int]:
+    """The ``zs_meta`` a writer stores (minor version 1: with its checksum)."""
+    values = [spec.MAGIC, version, m, k, crc32]
+    return values + [spec.meta_checksum(values)]
+
+
 def parse_meta(values, name: str = "tensor") -> tuple[int, int, int, int, int]:
-    """(magic, version, M, K, crc32) of a ``zs_meta``; FormatError naming ``name``
-    unless the magic is ours and the version is supported."""
-    magic, version, m, k, crc = (int(x) for x in values)
+    """(magic, version, M, K, crc32) of a ``zs_meta`` of 6 values (checked against its checksum) or
+    of 5 (minor version 0, written before the checksum: read by those rules); FormatError naming
+    ``name`` unless the magic is ours, the checksum matches and the version is supported."""
+    values = [int(x) for x in values]
+    if len(values) not in spec.META_LENS:
+        raise FormatError(f"{name}: zs_meta has {len(values)} values, expected {spec.META_LEN} "
+                          f"(or {spec.META_LEN_MINOR0} before its checksum)")
+    magic, version, m, k, crc = values[:5]
     if magic != spec.MAGIC:
         raise FormatError(f"{name}: bad magic 0x{magic & 0xFFFFFFFFFFFFFFFF:X}, expected 0x{spec.MAGIC:X}: not a zipserv tensor")
+    if len(values) == spec.META_LEN and values[5] != spec.meta_checksum(values):
+        raise FormatError(f"{name}: zs_meta does not match its checksum (stored {values[5] & 0xFFFFFFFF:08x}, "
+                          f"computed {spec.meta_checksum(values):08x}): its shape or CRC-32 is damaged")
     if version not in spec.SUPPORTED_VERSIONS:
         raise FormatError(
             f"{name}: format version {version} is not supported by this zipserv-vllm "
@@ -126,10 +140,7 @@ class CompressedTensor(MatrixArrays):
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """The stored arrays by suffix (FORMAT.md section 6), ``zs_meta`` included."""
-        meta = torch.tensor(
-            [spec.MAGIC, self.version, self.shape[0], self.shape[1], self.crc32],
-            dtype=torch.int64,
-        )
+        meta = torch.tensor(meta_values(self.shape[0], self.shape[1], self.crc32, self.version), dtype=torch.int64)
         out = {
             "zs_meta": meta,
             "zs_bitmaps": self.bitmaps,
@@ -173,8 +184,9 @@ class CompressedTensor(MatrixArrays):
         if missing:
             raise FormatError(f"{name}: missing {', '.join(missing)}")
         meta = arrays["zs_meta"]
-        if meta.dtype != torch.int64 or meta.shape != (spec.META_LEN,):
-            raise FormatError(f"{name}: zs_meta must be int64 [{spec.META_LEN}], got {meta.dtype} {tuple(meta.shape)}")
+        if meta.dtype != torch.int64 or meta.dim() != 1 or meta.shape[0] not in spec.META_LENS:
+            raise FormatError(f"{name}: zs_meta must be int64 [{spec.META_LEN}] (or [{spec.META_LEN_MINOR0}] before "
+                              f"its checksum), got {meta.dtype} {tuple(meta.shape)}")
         magic, version, m, k, crc = parse_meta(meta.tolist(), name)
         ct = cls((m, k), arrays["zs_bitmaps"], arrays["zs_base"], arrays["zs_offsets"],
                  arrays["zs_sm"], arrays["zs_fb"], crc, version, arrays.get(spec.TILE_CRC))

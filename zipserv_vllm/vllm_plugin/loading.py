@@ -442,9 +442,9 @@ def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> Comp
     so a rank never reads other ranks' metadata just to validate it."""
     meta_name = _ckpt_name(state, shard, "zs_meta")
     meta = arrays["zs_meta"]
-    if meta.dtype != torch.int64 or tuple(meta.shape) != (spec.META_LEN,):
-        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: "
-                               f"must be int64 [{spec.META_LEN}], got {meta.dtype} {list(meta.shape)}")
+    if meta.dtype != torch.int64 or meta.dim() != 1 or meta.shape[0] not in spec.META_LENS:
+        raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: must be int64 [{spec.META_LEN}] "
+                               f"(or [{spec.META_LEN_MINOR0}]), got {meta.dtype} {list(meta.shape)}")
     try:
         _, version, m, k, crc = parse_meta(meta.tolist(), f"zipserv: {meta_name}")
     except FormatError as exc:

@@ -117,6 +117,7 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
         first = next(p for p, a in groups.items() if spec.TILE_CRC not in a)
         raise CheckpointError(f"zipserv: checkpoint tensor {mixed_tile_crc_problem(first, len(with_crc))}")
     unservable = _unservable(model_dir)
+    meta_lens: dict[int, str] = {}  # zs_meta length -> the first matrix with it
     for prefix, arrays in groups.items():
         why = unservable(prefix)
         if why:
@@ -130,14 +131,19 @@ def check_checkpoint(model_dir: str | os.PathLike) -> dict[str, int]:
         if prefix in weights:
             raise CheckpointError(f"zipserv: {prefix}.weight is stored both uncompressed and compressed")
         path, info, data_start = arrays["zs_meta"]
-        if info["shape"] != [spec.META_LEN]:
+        if len(info["shape"]) != 1 or info["shape"][0] not in spec.META_LENS:
             raise CheckpointError(f"zipserv: corrupt checkpoint tensor {prefix}.zs_meta: shape {info['shape']}, "
-                                  f"expected [{spec.META_LEN}]")
+                                  f"expected [{spec.META_LEN}] (or [{spec.META_LEN_MINOR0}] before its checksum)")
+        meta_lens.setdefault(info["shape"][0], prefix)
         with open(path, "rb") as f:
             f.seek(data_start + info["data_offsets"][0])
-            meta = np.frombuffer(f.read(8 * spec.META_LEN), dtype="<i8")
+            meta = np.frombuffer(f.read(8 * info["shape"][0]), dtype="<i8")
         try:
             parse_meta(meta.tolist(), f"zipserv: {prefix}.zs_meta")
         except FormatError as exc:
             raise CheckpointError(str(exc)) from None
+    if len(meta_lens) > 1:  # one writer writes one minor version: a matrix without the checksum was swapped in
+        raise CheckpointError(f"zipserv: checkpoint tensor {meta_lens[spec.META_LEN_MINOR0]}.zs_meta has no checksum, "
+                              f"while {meta_lens[spec.META_LEN]}.zs_meta and others do: the checkpoint was damaged or "
+                              "edited; re-download or re-compress it")
     return {"shards": len(files), "compressed": len(groups), "uncompressed_weights": len(weights)}

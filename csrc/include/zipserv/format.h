@@ -32,7 +32,8 @@ constexpr int kSmAlign = 16;             // sign-mantissa segment, bytes
 constexpr int kFbAlign = 8;              // fallback segment, elements (16 bytes)
 constexpr int kPadCode = 1;              // code of a padding element
 constexpr uint8_t kPadSm = 0;            // its sign-mantissa byte
-constexpr int kMetaLen = 5;              // zs_meta: magic, version, M, K, crc32
+constexpr int kMetaLen = 6;              // zs_meta: magic, version, M, K, crc32, meta checksum (minor 1)
+constexpr int kMetaLenMinor0 = 5;        // zs_meta of minor version 0 (no meta checksum)
 constexpr int64_t kNoCrc = -1;
 
 static_assert(kFragsPerTile == 64, "a tile holds 64 FragTiles");
