@@ -18,17 +18,27 @@ from pathlib import Path
 
 import pytest
 
-from zs_e2e import max_score_diff, run_engine
+from zs_e2e import max_score_diff, mean_score_diff, run_engine
 
 HERE = Path(__file__).parent
 # Fast mode computes each routed expert with the fused CPU kernel: its GEMM outputs are rounded to
 # BF16 before the activation and the weighted sum (vLLM's expert kernel keeps them in fp32) and SiLU
 # uses the exact exp, so expert outputs differ by about one BF16 ulp (measured: 0.0024 at a magnitude
 # of 0.48). Routing amplifies that: a token near a tie between two experts may switch experts. On the
-# tiny Mixtral the teacher-forced logprobs then differed by at most 0.216 nats (measured; dense models
-# stay under FAST_LOGPROB_TOL = 0.1). MOE_FAST_LOGPROB_TOL leaves a 1.4x margin; the negative control
-# (one 64x64 tile of one expert's gate weights replaced) moved them by 0.85 nats and must exceed 2x it.
-MOE_FAST_LOGPROB_TOL = 0.3
+# tiny Mixtral the teacher-forced logprobs differ little on average but a single switched token can
+# move far, and how far depends on the host's BF16 GEMM (the BF16 baseline's own rounding): measured
+# on an Intel Xeon (AVX-512, no AVX512_BF16), 185 scored tokens, mean |d| 0.0097 and max 0.212 eager,
+# mean 0.0113 and max 0.404 compiled (one routing switch; an AMD EPYC host had max 0.216). So two
+# bounds: the mean over the scored tokens (MOE_FAST_MEAN_TOL, ~2.7x the measured mean) and every
+# token (MOE_FAST_MAX_TOL, 1.5x the largest switch seen). The negative control (one 64x64 tile of one
+# expert's gate weights replaced) moved them by mean 0.164 and max 0.848: it must exceed 4x the mean
+# bound and the max bound.
+MOE_FAST_MEAN_TOL = 0.03
+MOE_FAST_MAX_TOL = 0.6
+
+
+def fast_within_bounds(run, base) -> bool:
+    return mean_score_diff(run, base) <= MOE_FAST_MEAN_TOL and max_score_diff(run, base) <= MOE_FAST_MAX_TOL
 EXPERTS, LAYERS = 4, 2  # the zoo's tiny Mixtral (zipserv_vllm/testing/zoo.py): intermediate size 128, so each
 # TP=2 rank's expert slices (w13 128 x 64, w2 64 x 64) are whole tiles and still compress
 
@@ -64,7 +74,7 @@ def test_compiled_exact_identical_and_fast_within_bound(vllm_env, moe_dirs, tmp_
         assert len(expert_parts(run["memory"])) == 2 * EXPERTS * LAYERS  # w13 and w2 of every expert
     assert exact["tokens"] == base["tokens"]
     assert exact["logprobs"] == base["logprobs"]
-    assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
+    assert fast_within_bounds(fast, base), (mean_score_diff(fast, base), max_score_diff(fast, base))
 
 
 def test_checkpoint_stores_the_experts_compressed(moe_dirs):
@@ -315,8 +325,9 @@ def test_fast_mode_bound_catches_one_wrong_expert_tile(vllm_env, moe_dirs, tmp_p
     fast = run_engine(bf16, chat=False, quantization="zipserv", score=base["score_seqs"])
     wrong = run_engine(bad, chat=False, quantization="zipserv", score=base["score_seqs"])
     assert len(expert_parts(fast["memory"])) == 2 * EXPERTS * LAYERS
-    assert max_score_diff(fast, base) <= MOE_FAST_LOGPROB_TOL
-    assert max_score_diff(wrong, base) > 2 * MOE_FAST_LOGPROB_TOL
+    assert fast_within_bounds(fast, base), (mean_score_diff(fast, base), max_score_diff(fast, base))
+    assert mean_score_diff(wrong, base) > 4 * MOE_FAST_MEAN_TOL, mean_score_diff(wrong, base)
+    assert max_score_diff(wrong, base) > MOE_FAST_MAX_TOL, max_score_diff(wrong, base)
 
 
 def test_experts_without_tile_checksums_are_never_counted_checked(vllm_env, moe_dirs, tmp_path):

@@ -31,12 +31,22 @@ MAX_TOKENS = 12
 FAST_LOGPROB_TOL = 0.1
 
 
-def max_score_diff(run, base) -> float:
-    """Largest |teacher-forced logprob difference| of two runs that scored the same sequences."""
+def score_diffs(run, base) -> list[float]:
+    """|teacher-forced logprob difference| of every token two runs scored (the same sequences)."""
     assert run["score_seqs"] == base["score_seqs"]
     diffs = [abs(a - b) for ra, rb in zip(run["scores"], base["scores"]) for a, b in zip(ra, rb)]
     assert len(diffs) >= len(PROMPTS) * 10
-    return max(diffs)
+    return diffs
+
+
+def max_score_diff(run, base) -> float:
+    """Largest |teacher-forced logprob difference| of two runs that scored the same sequences."""
+    return max(score_diffs(run, base))
+
+
+def mean_score_diff(run, base) -> float:
+    d = score_diffs(run, base)
+    return sum(d) / len(d)
 
 
 def _release(llm) -> None:
