@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest -q -rs tests "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=30 tests "$@"

@@ -1,0 +1,25 @@
+"""Markers for the whole suite (one place): ``slow`` on what starts a vLLM engine, a server or a
+child process with a sanitizer, so that ``pytest -m "not slow"`` is the inner loop of development.
+CI runs everything (scripts/test.sh)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# Files whose tests are slow as a whole; in tests/vllm every file but the two that start no engine.
+SLOW_FILES = {"test_docs.py", "test_sanitized.py", "test_faults.py", "test_cuda_build.py"}
+FAST_VLLM_FILES = {"test_arena.py", "test_traceable.py", "test_config.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        p = Path(str(item.fspath)).resolve()
+        in_vllm = p.parent == HERE / "vllm"
+        sanitizer_child = p.parent == HERE / "simt" and "sanitizer" in item.name  # builds ASan/TSan (~40 s cold)
+        if p.name in SLOW_FILES or (in_vllm and p.name not in FAST_VLLM_FILES) or sanitizer_child \
+                or p.parent == HERE / "conformance":
+            item.add_marker(slow)
