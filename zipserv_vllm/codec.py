@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from .format import CompressedTensor, reference, spec
+from .format import CompressedTensor, FormatError, reference
 
 try:  # the extension is optional at import time so that a source tree still works
     from . import _C  # type: ignore[attr-defined]
@@ -106,6 +106,25 @@ def _encoded(ct: CompressedTensor) -> reference.Encoded:
     return reference.Encoded(ct.shape[0], ct.shape[1], ct.bitmaps.contiguous().numpy().view(np.uint64),
                              ct.base.contiguous().numpy(), ct.offsets.contiguous().numpy(),
                              ct.sm.contiguous().numpy(), ct.fb.contiguous().numpy().view(np.uint16))
+
+
+def check_tiles(ct: CompressedTensor, name: str = "tensor", threads: int | None = None) -> bool:
+    """Compare every tile's stored bytes with ``ct.tile_crc``; FormatError naming the first
+    damaged tile. Returns False (checks nothing) when the tensor has no tile checksums.
+    (Here, not in format/: the format is the ground floor and imports no codec.)"""
+    if ct.tile_crc is None:
+        return False
+    got = tile_checksums(ct, threads=threads).cpu().numpy()
+    want = ct.tile_crc.cpu().numpy()
+    bad = np.argwhere(got != want)
+    if bad.size:
+        tm, tk = (int(x) for x in bad[0])
+        exc = FormatError(f"{name}: tile ({tm}, {tk}) does not match its checksum (stored "
+                          f"{int(want[tm, tk]) & 0xFFFFFFFF:08x}, computed {int(got[tm, tk]) & 0xFFFFFFFF:08x}): "
+                          f"the compressed data is damaged" + (f" ({len(bad)} tiles in all)" if len(bad) > 1 else ""))
+        exc.tile = (tm, tk)
+        raise exc
+    return True
 
 
 def tile_checksums(ct: CompressedTensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:

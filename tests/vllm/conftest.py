@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 
 import pytest

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..codec import compress_tensor, crc32_bytes, decompress_tensor, default_threads
+from ..codec import check_tiles, compress_tensor, crc32_bytes, decompress_tensor, default_threads
 from ..format import CompressedTensor, FormatError, high_counts, parse_meta, spec
 from .files import SideFiles, copy_side_files, plan_side_files, resolve_source, staged_directory
 from .names import (CONFIG_FILE, KINDS, QUANT_METHOD, SINGLE_FILE, compressible, layer_kind, module_name,
@@ -363,7 +363,7 @@ def _crc_problem(e: Entry, ct: CompressedTensor, w: torch.Tensor, threads: int |
         return None
     where = ""
     try:
-        ct.check_tiles(e.name)
+        check_tiles(ct, e.name)
     except FormatError as exc:
         where = f"; {str(exc).split(': ', 1)[1]}"
     return f"CRC mismatch (stored {ct.crc32 & 0xFFFFFFFF:08x}, decoded {got:08x}){where}"
@@ -521,7 +521,7 @@ def verify_checkpoint(path, against=None, *, threads: int | None = None,
                 if value.crc32 == spec.NO_CRC:  # nothing to compare the decoded matrix with: say so
                     report.no_crc.append(e.name)
                     try:
-                        if value.check_tiles(e.name):
+                        if check_tiles(value, e.name):
                             report.no_crc_tiles += 1
                     except FormatError as exc:
                         report.problems.append(f"{e.name}: {str(exc).split(': ', 1)[-1]}")

@@ -302,25 +302,6 @@ class CompressedTensor(MatrixArrays):
         )
 
     # --------------------------------------------------------------- checksums
-    def check_tiles(self, name: str = "tensor", threads: int | None = None) -> bool:
-        """Compare every tile's stored bytes with ``tile_crc``; FormatError naming the first
-        damaged tile. Returns False (checks nothing) when the tensor has no tile checksums."""
-        if self.tile_crc is None:
-            return False
-        from ..codec import tile_checksums
-
-        got = tile_checksums(self, threads=threads).cpu().numpy()
-        want = self.tile_crc.cpu().numpy()
-        bad = np.argwhere(got != want)
-        if bad.size:
-            tm, tk = (int(x) for x in bad[0])
-            exc = FormatError(f"{name}: tile ({tm}, {tk}) does not match its checksum (stored "
-                              f"{int(want[tm, tk]) & 0xFFFFFFFF:08x}, computed {int(got[tm, tk]) & 0xFFFFFFFF:08x}): "
-                              f"the compressed data is damaged" + (f" ({len(bad)} tiles in all)" if len(bad) > 1 else ""))
-            exc.tile = (tm, tk)
-            raise exc
-        return True
-
     def __repr__(self) -> str:
         return (f"CompressedTensor(shape={list(self.shape)}, nbytes={self.nbytes}, "
                 f"bits_per_weight={self.bits_per_weight:.3f}, device={self.device})")

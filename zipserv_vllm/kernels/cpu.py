@@ -19,7 +19,6 @@ The extension is optional: ``available()`` says whether it was built and
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch

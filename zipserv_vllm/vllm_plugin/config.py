@@ -13,7 +13,6 @@ Mode: ``ZIPSERV_MODE`` (``fast`` | ``exact``) wins over the checkpoint's
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

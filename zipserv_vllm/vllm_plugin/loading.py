@@ -27,14 +27,13 @@ layer at a time, each v1 page released as soon as no layer still needs it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .. import settings
-from ..codec import compress_tensor, decompress_tensor
+from ..codec import check_tiles, compress_tensor, decompress_tensor
 from ..format import CompressedTensor, FormatError, parse_meta, spec
 from ..format.cpu_layout import PackedTensor
 from .arena import PageTable, PagedArena
@@ -220,7 +219,7 @@ def update_layer(state: LayerState, name: str, loaded, shard_id=None) -> None:
         ct = _shard_ct(st, shard_id, arrays)
         try:
             ct.validate(_ckpt_name(st, shard_id, "weight"))
-            ct.check_tiles(_ckpt_name(st, shard_id, "weight"))
+            check_tiles(ct, _ckpt_name(st, shard_id, "weight"))
         except FormatError as exc:
             raise _damaged(st, shard_id, exc) from None
         loaded = decompress_tensor(ct)
@@ -525,7 +524,7 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor: {exc}") from None
             if verify != "none":
                 try:
-                    if ct.check_tiles(_ckpt_name(state, shard, "weight")):
+                    if check_tiles(ct, _ckpt_name(state, shard, "weight")):
                         _mark_tiles_checked(state)
                 except FormatError as exc:
                     raise _damaged(state, shard, exc) from None

@@ -47,6 +47,7 @@ import weakref
 import torch
 from torch.nn import Parameter
 
+from ..codec import check_tiles
 from ..format import spec
 from . import compat, loading
 from .log import logger
@@ -332,7 +333,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         try:
             ct.validate(name)
             if self.zs_config.verify != "none":
-                if ct.check_tiles(name):
+                if check_tiles(ct, name):
                     loading._mark_tiles_checked(st)
                 loading._note_unchecked(st, ct, self.zs_config.verify)
         except FormatError as exc:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..codec import check_tiles
 from ..format import CompressedTensor, FormatError, spec
 from ..format.tensor import segment_lengths
 from .arena import PageTable, PagedArena
@@ -193,8 +194,8 @@ class TilePlan:
         checked = False
         if not on_host and check and self.tile_crc is not None:
             host = self.host_arrays()
-            CompressedTensor(self.shape, host["bitmaps"], host["base"], host["offsets"], host["sm"], host["fb"],
-                             tile_crc=self.tile_crc).check_tiles(check)
+            check_tiles(CompressedTensor(self.shape, host["bitmaps"], host["base"], host["offsets"], host["sm"],
+                                         host["fb"], tile_crc=self.tile_crc), check)
             checked = True
             for name in ARRAYS:
                 arena.raw(table.entries[name].slot).copy_(_flat_bytes(host[name]))
@@ -211,7 +212,7 @@ class TilePlan:
         if check and self.tile_crc is not None:
             ct = compressed_from_table(arena, table, self.shape)
             ct.tile_crc = self.tile_crc
-            ct.check_tiles(check)
+            check_tiles(ct, check)
             checked = True
         return checked
 
