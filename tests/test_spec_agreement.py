@@ -38,3 +38,19 @@ def test_cpu_layout_constants_agree():
     los = {L.lo_byte(f, p) for f in range(64) for p in range(64)}
     assert len(nibbles) == 4096 and len(los) == 4096 and not los & {b for b, _ in nibbles}
     assert los | {b for b, _ in nibbles} == set(range(L.TILE_BYTES))
+
+
+def test_format_is_the_ground_floor():
+    """zipserv_vllm/format imports nothing else of the package (no codec, kernels, checkpoint, plugin)."""
+    import ast
+    from pathlib import Path
+
+    import zipserv_vllm.format as fmt
+
+    for path in Path(fmt.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ("." * node.level) + (node.module or "")
+                assert node.level <= 1 and not target.startswith("zipserv_vllm"), f"{path.name} imports {target}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("zipserv_vllm") for a in node.names), path.name
