@@ -134,6 +134,7 @@ def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(vllm_env, tmp_path):
     for mem in runs["pre192"]["memory"]:
         assert len(expert_parts(mem)) == 2 * EXPERTS * LAYERS
         assert {v for k, v in mem["layer_paths"].items() if ".experts." in k} == {"re-encoded"}
+        assert set(mem["checked"]) == {"tiles"}, mem["checked"]  # re-encoded experts' tiles were checked
     for mem in runs["pre64"]["memory"]:
         assert expert_parts(mem) == []  # kept BF16
         assert mem["layers_compressed"] >= 2 * LAYERS  # attention still compressed

@@ -276,7 +276,7 @@ def compress_checkpoint(src, dst, *, overwrite: bool = False, max_shard_bytes: i
                     if dtype is not None and w.dtype != CAST_DTYPES[dtype]:
                         w = w.to(CAST_DTYPES[dtype])  # as vLLM's param.data.copy_(loaded_weight) rounds it
                     ct = compress_tensor(w, backend=backend, threads=threads, checksums=True)
-                    if ct.nbytes >= nbytes:
+                    if ct.nbytes >= w.numel() * 2:  # BF16's bytes (an FP32 source's are twice that)
                         kept.append((e.name, "its compressed form would not be smaller than BF16"))
                         ct = None
                     else:

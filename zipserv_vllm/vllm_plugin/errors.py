@@ -83,11 +83,22 @@ def report(exc: BaseException) -> BaseException:
         path = os.environ.get(ENV)
         if path:
             try:
-                with open(path, "a") as f:  # one short write per line: appends of processes do not mix
+                with open(path, "a") as f:  # under the lock clear_mine holds while it rewrites the file
+                    _lock(f)
                     f.write(f"{os.getpid()}\t{msg.replace(chr(10), ' ')}\n")
             except OSError:
                 pass
     return exc
+
+
+def _lock(f) -> None:
+    """An exclusive lock on the open error file until it is closed (a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
 
 
 def _records(path: str) -> list[tuple[str, str]]:
@@ -122,6 +133,7 @@ def clear_mine() -> None:
         return
     try:
         with open(path, "r+") as f:
+            _lock(f)  # another rank's report cannot land between the read and the rewrite
             keep = [f"{pid}\t{msg}\n" for pid, msg in _records(path) if pid != me]
             f.seek(0)
             f.write("".join(keep))

@@ -292,9 +292,10 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     st.path = "tiles"
                     planned.append((st, plans))
                     continue
-                for sh in shards:
-                    if (e, sh) in records:
-                        self._decode_into(layer, e, sh)
+                seen = [self._decode_into(layer, e, sh) for sh in shards if (e, sh) in records]
+                if seen:  # how the checkpoint shards it decoded were checked (the worst of them)
+                    bad = [c for c in seen if c not in ("tiles", "full")]
+                    st.checked = bad[0] if bad else ("full" if all(c == "full" for c in seen) else "tiles")
                 try:
                     loading.pack_layer(st, w[e], arena, packed=packed)
                 except ValueError as exc:
@@ -369,9 +370,9 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     f"zipserv: corrupt checkpoint tensor {loading._ckpt_name(st, sh, 'weight')}: {exc}") from None
         return loading.join_rows(plans)
 
-    def _decode_into(self, layer, e: int, shard: str) -> None:
+    def _decode_into(self, layer, e: int, shard: str) -> str:
         """Decode local expert ``e``'s compressed ``shard`` and let vLLM's expert loader place it
-        (its tensor-parallel slice) into the BF16 weights."""
+        (its tensor-parallel slice) into the BF16 weights; returns how its data was checked."""
         from ..codec import decompress_tensor
 
         which = "w2" if shard == "w2" else "w13"
@@ -384,6 +385,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         glob = self._global(layer, e)
         layer.__dict__[f"_zs_{which}_loader"](getattr(layer, f"{which}_weight"), full, f"{which}_weight",
                                                shard_id=shard, expert_id=glob, return_success=True)
+        return st.checked
 
     def _after_reload(self, layer) -> None:
         """vLLM's layer-wise ``reload_weights`` restored this layer's BF16 ``w13_weight`` / ``w2_weight``,

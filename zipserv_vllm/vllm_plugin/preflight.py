@@ -4,7 +4,7 @@ vLLM's default loader does not check completeness for quantized models, and a
 truncated safetensors shard or an unknown tensor under a fused layer produce
 errors that name no tensor (vllm-plugin-notes, pitfall 9). So before vLLM
 builds the model, :func:`check_checkpoint` reads every shard's header (and the
-40-byte ``zs_meta`` of each compressed matrix) and raises one clear
+48-byte ``zs_meta`` of each compressed matrix) and raises one clear
 :class:`CheckpointError` naming the first offending tensor:
 
 * a shard shorter than its header says (truncated download or copy);
@@ -13,7 +13,7 @@ builds the model, :func:`check_checkpoint` reads every shard's header (and the
 * an array with the wrong dtype or rank;
 * a ``zs_meta`` with a bad magic or an unsupported format version.
 
-It reads headers and 40 bytes per matrix only. This module imports no vLLM.
+It reads headers and 48 bytes per matrix only. This module imports no vLLM.
 """
 
 from __future__ import annotations
