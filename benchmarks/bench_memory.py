@@ -38,6 +38,9 @@ from pathlib import Path
 SIZES = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_layers=2, num_heads=4, num_kv_heads=2,
                  vocab_size=2048, std=0.08),
+    # Llama-shaped, ~0.38 B parameters (issue 20's serving / decode targets)
+    "0.4b": dict(hidden_size=1024, intermediate_size=4096, num_layers=20, num_heads=16, num_kv_heads=8,
+                 vocab_size=32000, std=0.02, max_position_embeddings=512),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                vocab_size=32000, std=0.02, max_position_embeddings=512),
     # A Mixtral-style mixture of experts of about 1.0 B parameters (0.91 B in the routed experts: 8 layers x

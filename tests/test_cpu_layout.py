@@ -209,13 +209,17 @@ def test_bad_arrays_are_refused():
         L.reference_pack(torch.ones(4, dtype=torch.bfloat16))
 
 
-def test_linear_op_and_dispatch():
+def test_linear_op_and_dispatch(monkeypatch):
+    monkeypatch.setenv("ZIPSERV_CPU_FUSED_MAX_N", "8")
     w = _mixed_weight(130, 200)
     pt, ct = cpu_kernels.pack(w), compress_tensor(w)
     x = _weight(3, 200, seed=6, scale=1.0)
     bias = _weight(1, 130, seed=7).view(-1)
     fast = zipserv_vllm.linear(x, pt, bias)
-    assert torch.equal(_bits(fast), _bits(cpu_kernels.fused_linear(x, ct, bias)))
+    kernel = cpu_kernels.fast_kernel(x, 130, 200)
+    assert torch.equal(_bits(fast), _bits(cpu_kernels.packed_linear(x, pt, bias, kernel=kernel)))
+    if kernel == "fused":
+        assert torch.equal(_bits(fast), _bits(cpu_kernels.fused_linear(x, ct, bias)))
     assert torch.equal(_bits(zipserv_vllm.linear(x, pt, bias, mode="exact")), _bits(F.linear(x, w, bias)))
     traced = torch.compile(lambda a: zipserv_vllm.linear(a, pt, bias), fullgraph=True)(x)
     assert torch.equal(_bits(traced), _bits(fast))

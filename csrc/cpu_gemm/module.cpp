@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
@@ -177,6 +178,54 @@ void packed_decode(const py::array& tiles, const py::array& luts, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
+constexpr int64_t kBf16Rows = 4;
+
+// y = x . W^T + bias by the AVX512-BF16 kernel (vdpbf16ps; not bit-identical to
+// the fp32 kernels above: kernel_avx512bf16.cpp states its numerics).
+void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::array& luts, const py::array& exc_start,
+                      const py::array& exc, int64_t m, int64_t k, const py::object& bias, py::array out,
+                      int threads) {
+  if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
+  const Packed w = packed(tiles, luts, exc_start, exc, m, k);
+  check(x, "x", "ui", 2, {-1, w.k});
+  const int64_t n = x.shape(0);
+  check(out, "out", "ui", 2, {n, w.m});
+  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
+  const uint16_t* bias_p = nullptr;
+  py::array bias_a;
+  if (!bias.is_none()) {
+    bias_a = bias.cast<py::array>();
+    check(bias_a, "bias", "ui", 2, {w.m});
+    bias_p = static_cast<const uint16_t*>(bias_a.data());
+  }
+  if (n == 0) return;
+  const int64_t kp = w.kt * kTile;
+  std::atomic<int64_t> bad{-1};
+  {
+    py::gil_scoped_release nogil;
+    std::vector<uint16_t> xb(static_cast<size_t>(n * kp), 0);
+    const uint16_t* xs = static_cast<const uint16_t*>(x.data());
+    for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
+    const Bf16GemmJob job{w, xb.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
+    const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
+    // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
+    // the next row of its run while it multiplies the current one.
+    const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
+    auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
+    parallel_for(items, threads, body);
+  }
+  raise_bad(bad.load(), w.kt, kPackedBad);
+}
+
+void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py::array& exc_start,
+                        const py::array& exc, int64_t m, int64_t k, py::array out, int threads) {
+  if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
+  const Packed w = packed(tiles, luts, exc_start, exc, m, k);
+  std::atomic<int64_t> bad{-1};
+  run_decode(w, avx512bf16_decode_rows(), out, threads, bad);
+  raise_bad(bad.load(), w.kt, kPackedBad);
+}
+
 // W (bf16 bits [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout.
 py::tuple pack(const py::array& w, int threads) {
   if (w.ndim() != 2 || w.shape(0) < 1 || w.shape(1) < 1) throw std::invalid_argument("pack takes a non-empty 2-D matrix");
@@ -230,6 +279,14 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("packed_decode", &packed_decode, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"),
           py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"), py::arg("isa"),
           "Decode W[m, k] from the byte-split layout with the kernels' tile decoder");
+  mod.def("bf16_supported", &avx512bf16_supported, "Whether this CPU has AVX512-BF16 (vdpbf16ps)");
+  mod.def("packed_gemm_bf16", &packed_gemm_bf16, py::arg("x"), py::arg("tiles"), py::arg("luts"),
+          py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"),
+          py::arg("threads"),
+          "packed_gemm by the AVX512-BF16 panel kernel (vdpbf16ps; fast mode, not bit-identical to packed_gemm)");
+  mod.def("packed_decode_bf16", &packed_decode_bf16, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"),
+          py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"),
+          "Decode W[m, k] by the AVX512-BF16 panel kernel's decode step (bit-exactness tests)");
   mod.def("pack", &pack, py::arg("w"), py::arg("threads"),
           "W (bf16 bits, uint16 [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout");
   mod.def("layout_constants", &layout_constants, "The byte-split layout's constants (tests compare them with Python)");

@@ -58,7 +58,9 @@ def buckets(max_n: int) -> list[int]:
     return out + [max(1, max_n)]
 
 
-def plan_key(plan: Plan) -> str:
+def plan_key(plan: Plan | str) -> str:
+    if isinstance(plan, str):  # the CPU dispatcher's candidates are named by strings (kernels/cpu_dispatch.py)
+        return plan
     return "decoupled" if plan.path == "decoupled" else f"fused/split{plan.split}"
 
 
@@ -113,18 +115,23 @@ class Tuning:
 
 
 def tune(shapes: Iterable[tuple[int, int]], max_n: int, time_fn: Callable[[Plan | str, int, int, int], float],
-         budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> Tuning:
-    """Time every candidate of every (shape, bucket), smallest N first, until the budget is spent."""
+         budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter,
+         candidates: Callable[[int, int, int], list] | None = None, ns: Iterable[int] | None = None) -> Tuning:
+    """Time every candidate of every (shape, bucket), smallest N first, until the budget is spent.
+
+    ``candidates(n, m, k)`` (default: the GPU's ``dispatch.candidates``) and the token counts ``ns``
+    (default: ``buckets(max_n)``) let the CPU dispatcher use the same machinery."""
+    candidates = candidates or dispatch.candidates
     res = Tuning()
     start = clock()
-    for n in buckets(max_n):  # small N first: the decode sizes matter most
+    for n in (buckets(max_n) if ns is None else sorted(ns)):  # small N first: the decode sizes matter most
         for m, k in sorted(set(shapes)):
             if clock() - start > budget_s:
                 res.complete = False
                 return res
             row = res.times.setdefault((m, k), {}).setdefault(n, {})
             row["bf16"] = float(time_fn("bf16", n, m, k))
-            for plan in dispatch.candidates(n, m, k):
+            for plan in candidates(n, m, k):
                 row[plan_key(plan)] = float(time_fn(plan, n, m, k))
     return res
 
@@ -204,8 +211,10 @@ class Tuner:
     """One engine's measurements: shapes are timed when first asked about (a shared budget),
     cached on disk when ``cache`` is given."""
 
-    def __init__(self, time_fn, max_n: int, decode_n: int, cache: Path | None = None, budget_s: float = BUDGET_S):
+    def __init__(self, time_fn, max_n: int, decode_n: int, cache: Path | None = None, budget_s: float = BUDGET_S,
+                 candidates=None, ns=None):
         self.time_fn, self.max_n, self.decode_n, self.cache = time_fn, max_n, decode_n, cache
+        self.candidates, self.ns = candidates, ns
         self.budget_left = budget_s
         self.tuning = (load_cached(cache) if cache is not None else None) or Tuning()
         self._dirty = False
@@ -215,7 +224,7 @@ class Tuner:
         if not new or self.budget_left <= 0:
             return
         t0 = time.perf_counter()
-        got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left)
+        got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left, candidates=self.candidates, ns=self.ns)
         self.budget_left -= time.perf_counter() - t0
         self.tuning.times.update(got.times)
         self.tuning.complete = self.tuning.complete and got.complete

@@ -7,6 +7,12 @@ result is rounded from an fp32 sum whose order is fixed (csrc/include/zipserv/
 cpu_gemm.h), so every ISA and thread count gives the same bits; it differs from
 torch's BF16 GEMM only by fp32 rounding order.
 
+``packed_linear(..., kernel="panel")`` runs the AVX512-BF16 panel kernel
+instead (``vdpbf16ps``; CPUs with AVX512-BF16, ``bf16_supported()``): fp32
+accumulation of exact BF16 products in another order, so not bit-identical to
+the fused kernels (docs/CPU.md, "Numerical bounds"). Fast mode picks between
+the two per shape and token count (kernels/cpu_dispatch.py).
+
 ``pack(w)`` repacks a weight (BF16, or a CompressedTensor) into the CPU
 byte-split layout (docs/FORMAT.md appendix A; ``PackedTensor``), whose kernel
 ``packed_linear(x, pt, bias)`` decodes a few times faster than v1's; it is
@@ -42,6 +48,10 @@ else:
 # (e.g. lower it on CPUs with AMX / AVX512-BF16, where torch's BF16 GEMM is fast
 # at large N; that crossover has not been measured).
 FUSED_MAX_N_DEFAULT = 512
+# With AVX512-BF16 the panel kernel is within a few percent of vLLM's BF16 kernel up to 512
+# tokens and beyond, and decode + F.linear is slower than either: no threshold by default.
+FUSED_MAX_N_BF16 = 1 << 30
+PACKED_KERNELS = ("fused", "panel")
 
 _isa_override: str | None = None
 _threads_override: int | None = None
@@ -58,6 +68,11 @@ def unavailable_reason() -> str:
 def _need() -> None:
     if _cpu_gemm is None:
         raise ImportError(_REASON)
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU runs the AVX512-BF16 panel kernel (``kernel="panel"``)."""
+    return _cpu_gemm is not None and bool(_cpu_gemm.bf16_supported())
 
 
 def isas() -> list[str]:
@@ -88,7 +103,7 @@ def fused_max_n() -> int:
     """Token count up to which the fused kernel is used (dispatch threshold)."""
     from ..settings import cpu_fused_max_n
 
-    return cpu_fused_max_n(FUSED_MAX_N_DEFAULT)
+    return cpu_fused_max_n(FUSED_MAX_N_BF16 if bf16_supported() else FUSED_MAX_N_DEFAULT)
 
 
 def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:
@@ -117,6 +132,13 @@ def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> tuple[bool, 
         return False, why
     n = x.numel() // x.shape[-1]
     return True, f"fused kernel ({_isa_override or _cpu_gemm.isas()[0]}, {n} tokens <= {fused_max_n()})"
+
+
+def fast_kernel(x: torch.Tensor, m: int, k: int) -> str:
+    """The byte-split kernel fast mode runs for this call (kernels/cpu_dispatch.py)."""
+    from . import cpu_dispatch
+
+    return cpu_dispatch.choose(x.numel() // max(1, k), m, k)
 
 
 def use_fused(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
@@ -181,10 +203,21 @@ def fused_gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offse
 
 def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
                 exc: torch.Tensor, m: int, k: int, bias: torch.Tensor | None = None,
-                *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` from the arrays of a PackedTensor (all CPU; x, bias bf16)."""
+                *, isa: str | None = None, threads: int | None = None, kernel: str = "fused") -> torch.Tensor:
+    """``F.linear(x, W, bias)`` from the arrays of a PackedTensor (all CPU; x, bias bf16).
+
+    ``kernel``: ``"fused"`` (fp32, any ``isa``) or ``"panel"`` (AVX512-BF16; ``isa`` does not apply)."""
     x2, bias = _check_call(x, m, k, bias)
     out = torch.empty((x2.shape[0], m), dtype=torch.bfloat16)
+    if kernel == "panel":
+        if not bf16_supported():
+            raise ValueError("kernel 'panel' needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+        _cpu_gemm.packed_gemm_bf16(
+            x2.view(torch.int16).numpy(), _c(tiles).numpy(), _c(luts).numpy(), _c(exc_start).numpy(),
+            _c(exc).numpy(), m, k, bias, out.view(torch.int16).numpy(), _threads(threads))
+        return out.view(*x.shape[:-1], m)
+    if kernel != "fused":
+        raise ValueError(f"kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
     _cpu_gemm.packed_gemm(
         x2.view(torch.int16).numpy(), _c(tiles).numpy(), _c(luts).numpy(), _c(exc_start).numpy(),
         _c(exc).numpy(), m, k, bias, out.view(torch.int16).numpy(), _threads(threads), isa or _isa_override or "auto",
@@ -193,10 +226,11 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
 
 
 def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None = None, *,
-                  isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for W in the byte-split layout, by its fused kernel."""
+                  isa: str | None = None, threads: int | None = None, kernel: str = "fused") -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for W in the byte-split layout, by ``kernel`` (see packed_gemm)."""
     m, k = pt.shape
-    return packed_gemm(x, pt.tiles, pt.luts, pt.exc_start, pt.exc, m, k, bias, isa=isa, threads=threads)
+    return packed_gemm(x, pt.tiles, pt.luts, pt.exc_start, pt.exc, m, k, bias, isa=isa, threads=threads,
+                       kernel=kernel)
 
 
 def pack(w: torch.Tensor | CompressedTensor, *, threads: int | None = None) -> PackedTensor:
@@ -219,11 +253,18 @@ def pack(w: torch.Tensor | CompressedTensor, *, threads: int | None = None) -> P
                         torch.from_numpy(exc_start), torch.from_numpy(exc))
 
 
-def packed_decode(pt: PackedTensor, *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """W (bf16 [M, K]) from the byte-split layout, bit for bit, by the kernels' tile decoder."""
+def packed_decode(pt: PackedTensor, *, isa: str | None = None, threads: int | None = None,
+                  kernel: str = "fused") -> torch.Tensor:
+    """W (bf16 [M, K]) from the byte-split layout, bit for bit, by ``kernel``'s tile decoder."""
     _need()
     m, k = pt.shape
     out = torch.empty((m, k), dtype=torch.bfloat16)
+    if kernel == "panel":
+        if not bf16_supported():
+            raise ValueError("kernel 'panel' needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+        _cpu_gemm.packed_decode_bf16(_c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
+                                     _c(pt.exc).numpy(), int(m), int(k), _u16(out), _threads(threads))
+        return out
     _cpu_gemm.packed_decode(_c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
                             _c(pt.exc).numpy(), int(m), int(k), _u16(out), _threads(threads),
                             isa or _isa_override or "auto")

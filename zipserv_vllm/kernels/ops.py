@@ -11,7 +11,9 @@
 
 * ``zipserv::packed_decompress`` / ``zipserv::packed_gemm``: the same for a
   weight in the CPU byte-split layout (``PackedTensor``, docs/FORMAT.md
-  appendix A), CPU only; "fast" runs its fused kernel under the same dispatch.
+  appendix A), CPU only; "fast" runs the kernel kernels/cpu_dispatch.py chooses
+  for the shape and token count (the fp32 fused kernel or the AVX512-BF16
+  panel kernel), under the same threshold.
 
 The default implementation below serves CPU tensors; device-specific kernels
 register themselves with ``gemm.register_kernel(...)`` /
@@ -92,7 +94,8 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
         from . import cpu as cpu_kernels
 
         if cpu_kernels.use_fused(x, bias, m):
-            return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias)
+            return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias,
+                                           kernel=cpu_kernels.fast_kernel(x, m, k))
     w = packed_decompress(tiles, luts, exc_start, exc, m, k)
     return F.linear(x, w.to(x.device), bias)
 
@@ -120,7 +123,8 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
 
         if cpu_kernels.use_fused(x, bias, m):
             if packed:
-                return cpu_kernels.packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias)
+                return cpu_kernels.packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias,
+                                               kernel=cpu_kernels.fast_kernel(x, m, k))
             return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias)
     if packed:
         return packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias, mode)

@@ -259,8 +259,9 @@ class ZipServConfig(QuantizationConfig):
 
     # ------------------------------------------------------------ dispatcher
     def _tuner(self):
-        """The measuring dispatcher of this engine (kernels/autotune.py), or None where it does not
-        run: on the CPU without injected timings, or with ZIPSERV_AUTOTUNE=0."""
+        """The measuring dispatcher of this engine (kernels/autotune.py; on the CPU in fast mode
+        kernels/cpu_dispatch.py's candidates), or None where it does not run: CPU exact mode without
+        injected timings, or ZIPSERV_AUTOTUNE=0."""
         if "_tuner_obj" in self.__dict__:
             return self.__dict__["_tuner_obj"]
         import os as _os
@@ -283,13 +284,25 @@ class ZipServConfig(QuantizationConfig):
             else:
                 import torch
 
+                from .. import __version__
+
                 if torch.cuda.is_available():  # pragma: no cover - needs a GPU
-                    from .. import __version__
                     from ..kernels import cuda
 
                     dev = torch.device("cuda", torch.cuda.current_device())
                     cache = autotune.cache_file(cuda.device_info(dev)[0], str(torch.version.cuda), __version__)
                     tuner = autotune.Tuner(autotune.cuda_time_fn(dev), max_n, decode_n, cache)
+                elif loading.uses_packed(torch.device("cpu"), self.mode):
+                    # CPU fast mode: time the byte-split kernels against vLLM's own BF16 kernel.
+                    from ..kernels import cpu_dispatch
+                    from .gemm import bf16_linear_factory
+
+                    threads = torch.get_num_threads()
+                    ns = [b for b in cpu_dispatch.BUCKETS if b <= max_n] or [1]
+                    tuner = autotune.Tuner(cpu_dispatch.cpu_time_fn(bf16_linear_factory), max_n, decode_n,
+                                           cpu_dispatch.cache_file(threads, __version__),
+                                           candidates=cpu_dispatch.candidates, ns=ns)
+                    tuner.kind = "cpu"
         self.__dict__["_tuner_obj"] = tuner
         return tuner
 
@@ -312,8 +325,17 @@ class ZipServConfig(QuantizationConfig):
         from ..kernels import dispatch
 
         live = [s for s in self._states if s.layer is not None and s.tied_to is None and s.parts]
-        tuner.measure(sorted({tuple(p.shape) for s in live for p in s.parts}))
-        dispatch.set_measured(tuner.tuning.rules())
+        shapes = sorted({tuple(p.shape) for s in live for p in s.parts})
+        tuner.measure(shapes)
+        if getattr(tuner, "kind", "") == "cpu":
+            from ..kernels import cpu_dispatch
+
+            cpu_dispatch.set_measured(tuner.tuning.times)
+            for m, k in shapes:
+                if (m, k) in tuner.tuning.times:
+                    logger.info(cpu_dispatch.ratios_line(m, k, tuner.tuning.times[(m, k)]))
+        else:
+            dispatch.set_measured(tuner.tuning.rules())
         tuner.save()
 
     def _repack_cpu(self) -> int:

@@ -39,6 +39,19 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return compat.find("dispatch_unquantized_gemm")()(holder, x, weight, bias)
 
 
+def bf16_linear_factory(weight: torch.Tensor):
+    """``f(x) = x @ weight.T`` by vLLM's own unquantized kernel, prepared once (prepacked, as a BF16
+    layer's would be): the baseline the CPU dispatcher measures against (kernels/cpu_dispatch.py)."""
+    from . import compat
+
+    holder = _GemmHolder(weight, None)
+    if compat.find("current_platform").is_cpu():
+        compat.find("dispatch_cpu_unquantized_gemm")(holder, remove_weight=False)
+        return lambda x: holder.cpu_linear(x, weight, None)
+    gemm = compat.find("dispatch_unquantized_gemm")()
+    return lambda x: gemm(holder, x, weight, None)
+
+
 @torch.library.custom_op("zipserv::exact_linear", mutates_args=())
 def exact_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`exact_linear` as an opaque op, so torch.compile can trace exact mode.

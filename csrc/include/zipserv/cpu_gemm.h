@@ -81,6 +81,21 @@ using DecodeRowsFn = void (*)(const DecodeJob&, int64_t tm0, int64_t tm1);
 using PackedGemmRowsFn = void (*)(const PackedGemmJob&, int64_t tm0, int64_t tm1);
 using PackedDecodeRowsFn = void (*)(const PackedDecodeJob&, int64_t tm0, int64_t tm1);
 
+// One call of the AVX512-BF16 kernel (kernel_avx512bf16.cpp): BF16 activations.
+struct Bf16GemmJob {
+  Packed w;
+  const uint16_t* x;     // [n][kp] bf16 bits, zero-padded
+  int64_t n, kp;
+  const uint16_t* bias;  // [m] bf16 bits or nullptr
+  uint16_t* y;           // [n][m] bf16 bits
+  std::atomic<int64_t>* bad_tile;
+};
+using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1);
+Bf16GemmRowsFn avx512bf16_gemm_rows();
+bool avx512bf16_supported();
+
+PackedDecodeRowsFn avx512bf16_decode_rows();  // the panel kernel's decode step alone (tests)
+
 struct Kernel {
   const char* name;
   GemmRowsFn gemm_rows;

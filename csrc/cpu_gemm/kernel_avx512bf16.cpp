@@ -1,0 +1,274 @@
+// AVX512-BF16 (vdpbf16ps) GEMM from the CPU byte-split layout: the fast
+// kernel of CPUs with BF16 dot products (Zen 4 and later, Cooper Lake,
+// Sapphire Rapids and later). Compiled for that ISA through a target pragma
+// limited to this file; chosen only when the CPU reports every feature
+// (avx512bf16_supported()) and the dispatcher picks it (kernels/cpu_dispatch.py).
+//
+// Per work item (a tile row, 64 weight rows = 4 panels of 16 rows, each one
+// medium tile row across all of K):
+//   1. decode: every FT of the panel is rebuilt in 512-bit registers (low
+//      bytes loaded, 4-bit codes through the tile's table by one vpshufb,
+//      bytes interleaved into words), the tile's exceptions patched in, and
+//      stored to a per-thread BF16 row buffer (64 rows x Kp x 2 bytes: 512
+//      KiB at K = 4096, L2-resident), the records walked sequentially. Each
+//      weight is decoded once per call, whatever the number of tokens.
+//   2. multiply: tokens in register blocks of up to 6; for every 8 columns,
+//      4 panel vectors (16 rows x 8 columns) and one 128-bit broadcast of each
+//      token's 8 activations feed 4 vdpbf16ps per token. Accumulator lane
+//      (row, column pair c) sums the products of columns 2c, 2c + 1 of every
+//      8-column group in increasing k. The first token block of each panel
+//      prefetches the next tile row's records into L2, so that the weight
+//      stream overlaps the multiply.
+//   3. y = the 4 lanes of a row summed ((l0 + l1) + (l2 + l3)), + bias, RNE to
+//      bf16 (any NaN -> 0x7FC0).
+//
+// Numerics (docs/CPU.md, "Numerical bounds"): vdpbf16ps multiplies BF16
+// pairs exactly in fp32 and adds them to the accumulator with round to
+// nearest even, treating denormal inputs and outputs as zero (whatever MXCSR
+// says). This is not the fp32 kernels' summation order, so the results are
+// not bit-identical to theirs: it is a fast-mode kernel, and exact mode never
+// runs it.
+//
+// The panel buffer is also the seam for other multipliers (an AMX BF16 tile
+// kernel would read the same panels).
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "zipserv/cpu_gemm.h"
+
+#pragma GCC push_options
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,bmi,bmi2,popcnt")
+
+namespace zipserv {
+namespace cpu {
+namespace {
+
+constexpr int kPanelRows = 16;                    // a medium tile row
+constexpr int kMediumWords = 16 * kFragElems;     // 16 FTs of a medium tile
+constexpr int kMaxNb = 6;                         // tokens per register block
+constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // next-row lines prefetched per 8-column group (3)
+
+// Per-thread panel buffer, grown on demand (never freed while the thread lives).
+struct PanelBuf {
+  uint16_t* p = nullptr;
+  size_t cap = 0;
+  ~PanelBuf() { std::free(p); }
+  uint16_t* get(size_t words) {
+    if (words > cap) {
+      std::free(p);
+      p = static_cast<uint16_t*>(std::aligned_alloc(64, (words * 2 + 63) / 64 * 64));
+      cap = words;
+    }
+    return p;
+  }
+};
+thread_local PanelBuf panel_buf;
+
+// Word index, inside its FT's 64 buffer words, of FT position p = 8 r + c:
+// vector v = r & 1 (rows 0, 2, 4, 6 / 1, 3, 5, 7), its 128-bit lane r >> 1.
+inline int ft_word(int p) { return ((p >> 3) & 1) * 32 + (p >> 4) * 8 + (p & 7); }
+
+// One FT record (96 bytes) -> its 64 words at dst (two 512-bit stores).
+inline void decode_ft(const uint8_t* r, __m512i lut, uint16_t* dst) {
+  const __m512i lo = _mm512_loadu_si512(r);
+  // Code bytes [c0 | c1] (16 each) -> lanes [c0 | c0 | c1 | c1], then low /
+  // high nibble per lane: positions 0-15, 16-31, 32-47, 48-63.
+  const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kPkLoBytes)));
+  const __m512i c2 = _mm512_shuffle_i64x2(c, c, 0x50);
+  const __m512i codes =
+      _mm512_and_si512(_mm512_srlv_epi64(c2, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+  const __m512i hi = _mm512_shuffle_epi8(lut, codes);
+  _mm512_store_si512(dst, _mm512_unpacklo_epi8(lo, hi));
+  _mm512_store_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
+}
+
+// NB tokens x the panel: acc[t][j] over all 8-column groups, S independent
+// accumulator sets (2 when there are few tokens, to hide the dot-product latency).
+template <int NB, int S>
+void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t kp, const char* pf, float* out) {
+  __m512 acc[S][NB][4];
+#pragma GCC unroll 2
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 6
+    for (int t = 0; t < NB; ++t)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[s][t][j] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + S <= groups; g += S) {
+    if (pf) {
+#pragma GCC unroll 6
+      for (int i = 0; i < S * kPfLinesPerGroup; ++i) _mm_prefetch(pf + (g * kPfLinesPerGroup + i) * 64, _MM_HINT_T1);
+    }
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) {
+      const uint16_t* w = buf + (g + s) * 128;
+      const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + 32);
+      const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 64), w3 = (__m512bh)_mm512_load_si512(w + 96);
+#pragma GCC unroll 6
+      for (int t = 0; t < NB; ++t) {
+        const __m512bh xb = (__m512bh)_mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + t * kp + (g + s) * 8)));
+        acc[s][t][0] = _mm512_dpbf16_ps(acc[s][t][0], w0, xb);
+        acc[s][t][1] = _mm512_dpbf16_ps(acc[s][t][1], w1, xb);
+        acc[s][t][2] = _mm512_dpbf16_ps(acc[s][t][2], w2, xb);
+        acc[s][t][3] = _mm512_dpbf16_ps(acc[s][t][3], w3, xb);
+      }
+    }
+  }
+  for (; g < groups; ++g) {  // (S = 2 and an odd number of groups)
+    const uint16_t* w = buf + g * 128;
+    for (int t = 0; t < NB; ++t) {
+      const __m512bh xb =
+          (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + t * kp + g * 8)));
+      for (int j = 0; j < 4; ++j)
+        acc[0][t][j] = _mm512_dpbf16_ps(acc[0][t][j], (__m512bh)_mm512_load_si512(w + 32 * j), xb);
+    }
+  }
+#pragma GCC unroll 6
+  for (int t = 0; t < NB; ++t)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512 a = acc[0][t][j];
+      if (S == 2) a = _mm512_add_ps(a, acc[S - 1][t][j]);
+      _mm512_storeu_ps(out + (t * 4 + j) * 16, a);
+    }
+}
+
+void panel_tokens(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t kp, int64_t nb, const char* pf,
+                  float* out) {
+  switch (nb) {
+    case 1: panel_block<1, 2>(buf, groups, x, kp, pf, out); break;
+    case 2: panel_block<2, 2>(buf, groups, x, kp, pf, out); break;
+    case 3: panel_block<3, 2>(buf, groups, x, kp, pf, out); break;
+    case 4: panel_block<4, 1>(buf, groups, x, kp, pf, out); break;
+    case 5: panel_block<5, 1>(buf, groups, x, kp, pf, out); break;
+    default: panel_block<6, 1>(buf, groups, x, kp, pf, out); break;
+  }
+}
+
+// Step 1 for tile row tm: checks its tiles and decodes them, a sequential walk
+// of their records, medium tile mm of tile tk into panel mm at
+// buf + (mm * kt + tk) * kMediumWords. Returns the first malformed tile, or -1.
+int64_t decode_row(const Packed& w, int64_t tm, uint16_t* buf) {
+  const int64_t kt = w.kt;
+  for (int64_t tk = 0; tk < kt; ++tk)
+    if (!packed_tile_ok(w, tm * kt + tk)) return tm * kt + tk;
+  for (int64_t tk = 0; tk < kt; ++tk) {
+    const int64_t g = tm * kt + tk;
+    const uint8_t* rec = w.tiles + g * kPkTileBytes;
+    const __m512i lut =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
+    const uint32_t* e = w.exc + w.exc_start[g];
+    const uint32_t* e_end = w.exc + w.exc_start[g + 1];
+    int64_t prev = -1;
+    bool bad = false;
+    for (int mm = 0; mm < 4; ++mm) {
+      const uint8_t* ft = rec + mm * 16 * kPkFtBytes;
+      uint16_t* dst = buf + (mm * kt + tk) * kMediumWords;
+#pragma GCC unroll 4
+      for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+      uint8_t* b = reinterpret_cast<uint8_t*>(dst);
+      for (; e < e_end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm; ++e) {
+        const int64_t d = *e >> kPkExcShift;
+        bad |= d <= prev;
+        prev = d;
+        b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*e);
+      }
+    }
+    // every entry belonged to the tile (d < 4096), in ascending order
+    if (bad || e != e_end) return g;
+  }
+  return -1;
+}
+
+void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+  const Packed& w = job.w;
+  const int64_t kt = w.kt, n = job.n, groups = kt * 8;
+  uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
+  alignas(64) float part[kMaxNb * 4 * 16];
+  for (int64_t tm = tm0; tm < tm1; ++tm) {
+    const int64_t bad = decode_row(w, tm, buf);  // 1.
+    if (bad >= 0) {
+      report_bad(job.bad_tile, bad);
+      return;
+    }
+    // 2. multiply each panel with every token block; the first block of panel
+    //    mm prefetches the next row's records (its quarter of them) into L2,
+    //    so that they stream in while the multiply computes
+    const char* next = tm + 1 < tm1 ? reinterpret_cast<const char*>(w.tiles + (tm + 1) * kt * kPkTileBytes) : nullptr;
+    for (int mm = 0; mm < 4; ++mm) {
+      const uint16_t* pbuf = buf + mm * kt * kMediumWords;
+      const int64_t row0 = tm * kTile + mm * kPanelRows;
+      for (int64_t t0 = 0; t0 < n; t0 += kMaxNb) {
+        const int64_t nb = std::min<int64_t>(kMaxNb, n - t0);
+        const char* pf = next && t0 == 0 ? next + mm * kt * (kPkTileBytes / 4) : nullptr;
+        panel_tokens(pbuf, groups, job.x + t0 * job.kp, job.kp, nb, pf, part);
+        // 3. finish
+        for (int64_t t = 0; t < nb; ++t) {
+          for (int j = 0; j < 4; ++j) {
+            const float* a = part + (t * 4 + j) * 16;
+            for (int l = 0; l < 4; ++l) {  // lane l of vector j: FT row block j >> 1, row 2 l + (j & 1)
+              const int64_t row = row0 + (j >> 1) * 8 + 2 * l + (j & 1);
+              if (row < w.m) job.y[(t0 + t) * w.m + row] = finish_output(a + 4 * l, job.bias, row);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The decode step alone, W[m][k] out (tests it bit for bit against the reference decoder).
+void bf16_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) {
+  const Packed& w = job.w;
+  const int64_t kt = w.kt;
+  uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
+  for (int64_t tm = tm0; tm < tm1; ++tm) {
+    const int64_t bad = decode_row(w, tm, buf);
+    if (bad >= 0) {
+      report_bad(job.bad_tile, bad);
+      return;
+    }
+    for (int mm = 0; mm < 4; ++mm)
+      for (int64_t tk = 0; tk < kt; ++tk)
+        for (int fi = 0; fi < 16; ++fi)
+          for (int p = 0; p < kFragElems; ++p) {
+            const int64_t row = tm * kTile + mm * kPanelRows + (fi & 1) * 8 + (p >> 3);
+            const int64_t col = tk * kTile + (fi >> 1) * 8 + (p & 7);
+            if (row < w.m && col < w.k)
+              job.out[row * w.k + col] = buf[(mm * kt + tk) * kMediumWords + fi * kFragElems + ft_word(p)];
+          }
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace zipserv
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+namespace zipserv {
+namespace cpu {
+
+Bf16GemmRowsFn avx512bf16_gemm_rows() { return bf16_gemm_rows; }
+PackedDecodeRowsFn avx512bf16_decode_rows() { return bf16_decode_rows; }
+
+bool avx512bf16_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+}
+
+}  // namespace cpu
+}  // namespace zipserv

