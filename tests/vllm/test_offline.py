@@ -141,8 +141,16 @@ def test_fast_mode_teacher_forced_logprobs_close_to_bf16(way, request, llama_run
     assert mem["layouts"] == ({"v1": 10} if way == "v1" else {"bytesplit": 10})
     if way != "v1":  # byte-split: ~12.05 bits per weight (docs/FORMAT.md appendix A) plus arena rounding
         assert mem["arena_bytes"] < 0.8 * mem["compressed_bf16_bytes"]
+    # the measuring dispatcher ran at engine start for every byte-split shape (kernels/cpu_dispatch.py)
+    kernels = mem["cpu_kernels"]
+    if way != "v1":
+        from zipserv_vllm.kernels import cpu as cpu_kernels, cpu_dispatch
+
+        assert kernels and all([b for b, _ in rows] == list(cpu_dispatch.BUCKETS[:len(rows)]) for rows in kernels.values())
+        allowed = {"fused", "panel"} if cpu_kernels.bf16_supported() else {"fused"}
+        assert {kern for rows in kernels.values() for _, kern in rows} <= allowed
     diff = _max_score_diff(llama_fast, base)
-    print(f"fast vs bf16: max |d logprob| = {diff:.5f}")
+    print(f"fast vs bf16: max |d logprob| = {diff:.5f}; kernels {kernels}")
     assert 0 < diff <= FAST_LOGPROB_TOL  # > 0: another GEMM than the BF16 one really ran
     # The greedy decode (decode-sized GEMMs) agrees step by step until a token flips.
     for tf, tb, lf, lb in zip(llama_fast["tokens"], base["tokens"], llama_fast["logprobs"], base["logprobs"]):

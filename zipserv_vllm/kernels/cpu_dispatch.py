@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path

@@ -106,4 +106,13 @@ def weight_memory(model: torch.nn.Module) -> dict:
         # matrices read from a zipserv checkpoint, by how their data was checked at load:
         # tiles / full / no checksums / no CRC stored / not checked (the summary line says the same)
         "checked": checked,
+        # CPU fast mode: the kernel measured fastest per shape and N bucket at engine start
+        # (kernels/cpu_dispatch.py): {"MxK": [[bucket, kernel], ...]}
+        "cpu_kernels": _cpu_kernels(),
     }
+
+
+def _cpu_kernels() -> dict[str, list]:
+    from ..kernels import cpu_dispatch
+
+    return {f"{m}x{k}": [list(r) for r in rows] for (m, k), rows in cpu_dispatch.measured().items()}
