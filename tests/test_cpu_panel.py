@@ -86,6 +86,33 @@ def test_decode_real_trained_weights():
         assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2, kernel="panel")), _bits(w)), name
 
 
+def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
+    """W read back through the GEMM: x = one-hot rows (n columns per call), y = those columns exactly
+    (finite normal weights: w * 1 and the + 0 terms are exact in fp32, and the BF16 rounding of a
+    BF16 value is itself)."""
+    m, k = w.shape
+    pt = cpu_kernels.pack(w)
+    cols = torch.empty(k, m, dtype=torch.bfloat16)
+    for c0 in range(0, k, n):
+        idx = torch.arange(c0, min(c0 + n, k))
+        x = torch.zeros(len(idx), k, dtype=torch.bfloat16)
+        x[torch.arange(len(idx)), idx] = 1.0
+        cols[idx] = cpu_kernels.packed_linear(x, pt, kernel="panel")
+    return cols.T.contiguous()
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", (1, 4, 6))  # streaming path (<= 4 tokens) and buffered path
+def test_gemm_reads_every_weight_exactly(n):
+    """Both multiply paths' decodes, bit for bit: every finite normal BF16 pattern (exceptions, patched
+    medium tiles) and Gaussian tiles (decoded in registers by the streaming path)."""
+    pats = _all_patterns((256, 256), seed=3).view(torch.int16)
+    exp = (pats.int() >> 7) & 0xFF
+    normal = torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(torch.bfloat16)
+    for w in (normal, _weight(130, 300, seed=4)):
+        assert torch.equal(_bits(_one_hot_columns(w, n)), _bits(w))
+
+
 @needs_bf16
 @pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 12, 13, 33))
 def test_gemm_within_bound(n):
@@ -158,9 +185,10 @@ def test_malformed_exception_lists_are_refused(kind):
     w = _weight(128, 128, seed=3)
     w[0, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
     bad = _corrupt(cpu_kernels.pack(w), kind)
-    x = torch.ones(5, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"tile \([01], [01]\) of the byte-split layout"):
-        cpu_kernels.packed_linear(x, bad, kernel="panel")
+    for n in (1, 5):  # streaming and buffered paths
+        x = torch.ones(n, 128, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"tile \([01], [01]\) of the byte-split layout"):
+            cpu_kernels.packed_linear(x, bad, kernel="panel")
     with pytest.raises(ValueError, match="byte-split layout"):
         cpu_kernels.packed_decode(bad, kernel="panel")
 

@@ -29,6 +29,9 @@
 // not bit-identical to theirs: it is a fast-mode kernel, and exact mode never
 // runs it.
 //
+// With at most 4 tokens the row buffer is skipped (stream_gemm_rows below):
+// each FT is decoded into registers and consumed at once.
+//
 // The panel buffer is also the seam for other multipliers (an AMX BF16 tile
 // kernel would read the same panels).
 #include <algorithm>
@@ -189,7 +192,159 @@ int64_t decode_row(const Packed& w, int64_t tm, uint16_t* buf) {
   return -1;
 }
 
+// Step 3 for nb tokens (t0 ..) of the panel whose first row is row0: part holds
+// [nb][4 vectors][16 lanes]; lane l of vector j is row (j >> 1) * 8 + 2 (l >> 2)
+// + (j & 1), column pair l & 3.
+void finish_panel(const Bf16GemmJob& job, const float* part, int64_t nb, int64_t row0, int64_t t0) {
+  const int64_t m = job.w.m;
+  for (int64_t t = 0; t < nb; ++t)
+    for (int j = 0; j < 4; ++j) {
+      const float* a = part + (t * 4 + j) * 16;
+      for (int l = 0; l < 4; ++l) {
+        const int64_t row = row0 + (j >> 1) * 8 + 2 * l + (j & 1);
+        if (row < m) job.y[(t0 + t) * m + row] = finish_output(a + 4 * l, job.bias, row);
+      }
+    }
+}
+
+// ---- streaming path (few tokens): no row buffer --------------------------
+// Each FT is decoded into registers and consumed at once by the dot products
+// of every token (up to kStreamNb), panel by panel: panel mm reads medium
+// tile mm of each tile of a chunk of kChunk tiles (the accumulators stay in
+// registers across the chunk), and while it does, the records of the next
+// chunk (the next row's, past the row's end) are prefetched into L2, a
+// quarter per panel pass, so that the four passes over a chunk find it
+// there. Medium tiles with exceptions are decoded into a small buffer and
+// patched first. Same accumulation order per lane as the buffered path.
+constexpr int kStreamNb = 4;
+constexpr int64_t kChunk = 64;  // tiles: 384 KiB of records, twice that in L2 with the next chunk
+
+template <int NB>
+__attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* luts, int64_t g0, int64_t tn, int mm,
+                                           const uint16_t* x, int64_t kp, uint16_t* const* patched,
+                                           const char* pf, float* acc_mem) {
+  __m512 acc[NB][4];
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_load_ps(acc_mem + (t * 4 + j) * 16);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4), nib = _mm512_set1_epi8(0x0F);
+  for (int64_t tc = 0; tc < tn; ++tc) {
+    const int64_t g = g0 + tc;
+    const uint8_t* ft = tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
+    if (pf) {
+#pragma GCC unroll 24
+      for (int i = 0; i < 16 * kPkFtBytes; i += 64) _mm_prefetch(pf + tc * (16 * kPkFtBytes) + i, _MM_HINT_T1);
+    }
+    const uint16_t* pb = patched[tc];
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(luts + g * kPkLutEntries)));
+    const uint16_t* xc = x + tc * kTile;
+#pragma GCC unroll 2
+    for (int cg = 0; cg < 8; ++cg) {
+      __m512bh wv[4];
+#pragma GCC unroll 2
+      for (int rb = 0; rb < 2; ++rb) {
+        const int fi = 2 * cg + rb;
+        if (pb) {
+          wv[2 * rb] = (__m512bh)_mm512_load_si512(pb + fi * kFragElems);
+          wv[2 * rb + 1] = (__m512bh)_mm512_load_si512(pb + fi * kFragElems + 32);
+        } else {
+          const uint8_t* r = ft + fi * kPkFtBytes;
+          const __m512i lo = _mm512_loadu_si512(r);
+          const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kPkLoBytes)));
+          const __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(c, c, 0x50), shifts), nib);
+          const __m512i hi = _mm512_shuffle_epi8(lut, codes);
+          wv[2 * rb] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+          wv[2 * rb + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NB; ++t) {
+        const __m512bh xb =
+            (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xc + t * kp + cg * 8)));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_dpbf16_ps(acc[t][j], wv[j], xb);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NB; ++t)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(acc_mem + (t * 4 + j) * 16, acc[t][j]);
+}
+
+using StreamPassFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, int, const uint16_t*, int64_t,
+                              uint16_t* const*, const char*, float*);
+constexpr StreamPassFn kStreamPass[kStreamNb + 1] = {nullptr, stream_pass<1>, stream_pass<2>, stream_pass<3>,
+                                                     stream_pass<4>};
+
+void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+  const Packed& w = job.w;
+  const int64_t kt = w.kt, n = job.n;
+  const int64_t nblocks = (n + kStreamNb - 1) / kStreamNb;
+  alignas(64) float acc[4][kStreamNb * 4 * 16];
+  // medium tiles with exceptions, decoded and patched: [kChunk][4] slots of a medium tile each
+  uint16_t* pbuf = panel_buf.get(static_cast<size_t>(kChunk * 4 * kMediumWords));
+  uint16_t* patched[4][kChunk];
+  const uint32_t* cur[kChunk];
+  int64_t prev[kChunk];
+  for (int64_t tm = tm0; tm < tm1; ++tm) {
+    for (int64_t tk = 0; tk < kt; ++tk)
+      if (!packed_tile_ok(w, tm * kt + tk)) {
+        report_bad(job.bad_tile, tm * kt + tk);
+        return;
+      }
+    for (int64_t bl = 0; bl < nblocks; ++bl) {
+      const int64_t t0 = bl * kStreamNb, nb = std::min<int64_t>(kStreamNb, n - t0);
+      std::memset(acc, 0, sizeof(acc));
+      for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
+        const int64_t tn = std::min<int64_t>(kChunk, kt - c0), g0 = tm * kt + c0;
+        // exceptions: the medium tiles that have any are decoded and patched here
+        for (int64_t tc = 0; tc < tn; ++tc) {
+          const int64_t g = g0 + tc;
+          cur[tc] = w.exc + w.exc_start[g];
+          prev[tc] = -1;
+          const uint32_t* e_end = w.exc + w.exc_start[g + 1];
+          bool bad = false;
+          const __m512i lut =
+              _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
+          for (int mm = 0; mm < 4; ++mm) {
+            patched[mm][tc] = nullptr;
+            if (!(cur[tc] < e_end && static_cast<int>(*cur[tc] >> (kPkExcShift + 10)) == mm)) continue;
+            uint16_t* dst = pbuf + (tc * 4 + mm) * kMediumWords;
+            const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
+            for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+            uint8_t* b = reinterpret_cast<uint8_t*>(dst);
+            for (; cur[tc] < e_end && static_cast<int>(*cur[tc] >> (kPkExcShift + 10)) == mm; ++cur[tc]) {
+              const int64_t d = *cur[tc] >> kPkExcShift;
+              bad |= d <= prev[tc];
+              prev[tc] = d;
+              b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*cur[tc]);
+            }
+            patched[mm][tc] = dst;
+          }
+          if (bad || cur[tc] != e_end) {  // every entry belonged to the tile (d < 4096), in ascending order
+            report_bad(job.bad_tile, g);
+            return;
+          }
+        }
+        // the next chunk's records: the rest of this row, or the next row's first chunk
+        // (prefetching past the matrix is harmless: prefetches do not fault)
+        const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
+        for (int mm = 0; mm < 4; ++mm)
+          kStreamPass[nb](w.tiles, w.luts, g0, tn, mm, job.x + t0 * job.kp + c0 * kTile, job.kp, patched[mm],
+                          bl == 0 ? next + mm * tn * (16 * kPkFtBytes) : nullptr, acc[mm]);
+      }
+      for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc[mm], nb, tm * kTile + mm * kPanelRows, t0);
+    }
+  }
+}
+
 void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+  if (job.n <= kStreamNb) {  // measured: 10-30 % faster than the buffered path at 1-4 tokens, even at 8
+    stream_gemm_rows(job, tm0, tm1);
+    return;
+  }
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n, groups = kt * 8;
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
@@ -211,16 +366,7 @@ void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
         const int64_t nb = std::min<int64_t>(kMaxNb, n - t0);
         const char* pf = next && t0 == 0 ? next + mm * kt * (kPkTileBytes / 4) : nullptr;
         panel_tokens(pbuf, groups, job.x + t0 * job.kp, job.kp, nb, pf, part);
-        // 3. finish
-        for (int64_t t = 0; t < nb; ++t) {
-          for (int j = 0; j < 4; ++j) {
-            const float* a = part + (t * 4 + j) * 16;
-            for (int l = 0; l < 4; ++l) {  // lane l of vector j: FT row block j >> 1, row 2 l + (j & 1)
-              const int64_t row = row0 + (j >> 1) * 8 + 2 * l + (j & 1);
-              if (row < w.m) job.y[(t0 + t) * w.m + row] = finish_output(a + 4 * l, job.bias, row);
-            }
-          }
-        }
+        finish_panel(job, part, nb, row0, t0);  // 3.
       }
     }
   }

@@ -25,6 +25,7 @@ The extension is optional: ``available()`` says whether it was built and
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import torch
@@ -70,9 +71,12 @@ def _need() -> None:
         raise ImportError(_REASON)
 
 
+_BF16 = _cpu_gemm is not None and bool(_cpu_gemm.bf16_supported())
+
+
 def bf16_supported() -> bool:
     """Whether this CPU runs the AVX512-BF16 panel kernel (``kernel="panel"``)."""
-    return _cpu_gemm is not None and bool(_cpu_gemm.bf16_supported())
+    return _BF16
 
 
 def isas() -> list[str]:
@@ -99,11 +103,20 @@ def set_threads(threads: int | None) -> None:
     _threads_override = None if threads is None else int(threads)
 
 
-def fused_max_n() -> int:
-    """Token count up to which the fused kernel is used (dispatch threshold)."""
-    from ..settings import cpu_fused_max_n
+_max_n_cache: tuple[str | None, int] | None = None
 
-    return cpu_fused_max_n(FUSED_MAX_N_BF16 if bf16_supported() else FUSED_MAX_N_DEFAULT)
+
+def fused_max_n() -> int:
+    """Token count up to which the fused kernels are used (dispatch threshold).
+
+    Read on every fast-mode call, so the parsed value is kept per raw value of the variable."""
+    global _max_n_cache
+    raw = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
+    if _max_n_cache is None or _max_n_cache[0] != raw:
+        from ..settings import cpu_fused_max_n
+
+        _max_n_cache = (raw, cpu_fused_max_n(FUSED_MAX_N_BF16 if bf16_supported() else FUSED_MAX_N_DEFAULT))
+    return _max_n_cache[1]
 
 
 def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:
