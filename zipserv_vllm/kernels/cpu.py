@@ -32,6 +32,7 @@ import torch
 
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
+from . import cpu_dispatch
 
 try:
     from .. import _cpu_gemm  # type: ignore[attr-defined]
@@ -149,8 +150,6 @@ def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> tuple[bool, 
 
 def fast_kernel(x: torch.Tensor, m: int, k: int) -> str:
     """The byte-split kernel fast mode runs for this call (kernels/cpu_dispatch.py)."""
-    from . import cpu_dispatch
-
     return cpu_dispatch.choose(x.numel() // max(1, k), m, k)
 
 
@@ -193,6 +192,25 @@ def _check_call(x: torch.Tensor, m: int, k: int, bias: torch.Tensor | None):
     return _c(x.reshape(-1, k)), bias
 
 
+def _views(ts: tuple) -> tuple:
+    return tuple(_c(t).numpy() for t in ts)
+
+
+def _packed_views(pt: PackedTensor) -> tuple:
+    """NumPy views of a PackedTensor's arrays, kept on the object while the same contiguous tensors
+    hold the same storage (a decode step calls the kernel for every layer; four ``.numpy()`` calls
+    cost several microseconds). They die with the PackedTensor."""
+    ts = (pt.tiles, pt.luts, pt.exc_start, pt.exc)
+    key = tuple((id(t), t.data_ptr()) for t in ts)
+    hit = pt.__dict__.get("_np_views")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    arrs = _views(ts)
+    if all(t.is_contiguous() for t in ts):  # (a contiguous copy would go stale)
+        pt.__dict__["_np_views"] = (key, arrs)
+    return arrs
+
+
 def _threads(threads: int | None) -> int:
     return int(threads or _threads_override or torch.get_num_threads())
 
@@ -220,21 +238,22 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
     """``F.linear(x, W, bias)`` from the arrays of a PackedTensor (all CPU; x, bias bf16).
 
     ``kernel``: ``"fused"`` (fp32, any ``isa``) or ``"panel"`` (AVX512-BF16; ``isa`` does not apply)."""
+    return _packed_call(x, _views((tiles, luts, exc_start, exc)), m, k, bias, isa, threads, kernel)
+
+
+def _packed_call(x, arrs, m, k, bias, isa, threads, kernel) -> torch.Tensor:
     x2, bias = _check_call(x, m, k, bias)
     out = torch.empty((x2.shape[0], m), dtype=torch.bfloat16)
     if kernel == "panel":
         if not bf16_supported():
             raise ValueError("kernel 'panel' needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
-        _cpu_gemm.packed_gemm_bf16(
-            x2.view(torch.int16).numpy(), _c(tiles).numpy(), _c(luts).numpy(), _c(exc_start).numpy(),
-            _c(exc).numpy(), m, k, bias, out.view(torch.int16).numpy(), _threads(threads))
+        _cpu_gemm.packed_gemm_bf16(x2.view(torch.int16).numpy(), *arrs, m, k, bias, out.view(torch.int16).numpy(),
+                                   _threads(threads))
         return out.view(*x.shape[:-1], m)
     if kernel != "fused":
         raise ValueError(f"kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
-    _cpu_gemm.packed_gemm(
-        x2.view(torch.int16).numpy(), _c(tiles).numpy(), _c(luts).numpy(), _c(exc_start).numpy(),
-        _c(exc).numpy(), m, k, bias, out.view(torch.int16).numpy(), _threads(threads), isa or _isa_override or "auto",
-    )
+    _cpu_gemm.packed_gemm(x2.view(torch.int16).numpy(), *arrs, m, k, bias, out.view(torch.int16).numpy(),
+                          _threads(threads), isa or _isa_override or "auto")
     return out.view(*x.shape[:-1], m)
 
 
@@ -242,8 +261,7 @@ def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None =
                   isa: str | None = None, threads: int | None = None, kernel: str = "fused") -> torch.Tensor:
     """``F.linear(x, W, bias)`` for W in the byte-split layout, by ``kernel`` (see packed_gemm)."""
     m, k = pt.shape
-    return packed_gemm(x, pt.tiles, pt.luts, pt.exc_start, pt.exc, m, k, bias, isa=isa, threads=threads,
-                       kernel=kernel)
+    return _packed_call(x, _packed_views(pt), m, k, bias, isa, threads, kernel)
 
 
 def pack(w: torch.Tensor | CompressedTensor, *, threads: int | None = None) -> PackedTensor:

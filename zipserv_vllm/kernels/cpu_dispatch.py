@@ -48,10 +48,16 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2", 
 _MEASURED: dict[tuple[int, int], list[tuple[int, str]]] = {}  # (m, k) -> [(bucket, kernel)] ascending
 
 
-def bf16_supported() -> bool:
-    from . import cpu
+_BF16: bool | None = None
 
-    return cpu.bf16_supported()
+
+def bf16_supported() -> bool:
+    global _BF16
+    if _BF16 is None:
+        from . import cpu
+
+        _BF16 = cpu.bf16_supported()
+    return _BF16
 
 
 def candidates(n: int, m: int, k: int) -> list[str]:

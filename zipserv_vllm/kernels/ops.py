@@ -123,8 +123,7 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
 
         if cpu_kernels.use_fused(x, bias, m):
             if packed:
-                return cpu_kernels.packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias,
-                                               kernel=cpu_kernels.fast_kernel(x, m, k))
+                return cpu_kernels.packed_linear(x, ct, bias, kernel=cpu_kernels.fast_kernel(x, m, k))
             return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias)
     if packed:
         return packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias, mode)
