@@ -1,7 +1,7 @@
 """Build of zipserv-vllm's native extensions (pybind11; no torch C++ ABI).
 
 * ``zipserv_vllm._C``: format constants and the multi-threaded CPU codec
-  (csrc/*.cpp). Builds with g++ alone.
+  (csrc/*.cpp, on torch's OpenMP threads). Builds with g++ alone.
 * ``zipserv_vllm._cpu_gemm``: fused decode-GEMM CPU kernels (csrc/cpu_gemm/).
 * ``zipserv_vllm._cuda``: CUDA kernels (csrc/cuda/), compiled only when nvcc
   is found and ZIPSERV_NO_CUDA is not set.
@@ -29,8 +29,11 @@ COMMON = dict(
 
 extensions = [
     # zlib: CRC-32 of stored arrays and tiles (csrc/codec.cpp); zlib.h comes with the Python headers' toolchain.
+    # OpenMP: the codec runs on torch's own libgomp threads (csrc/codec.cpp, parallel_chunks).
     Pybind11Extension("zipserv_vllm._C", sorted(glob.glob("csrc/*.cpp")),
-                      depends=sorted(glob.glob("csrc/include/zipserv/*.h")), libraries=["z"], **COMMON),
+                      depends=sorted(glob.glob("csrc/include/zipserv/*.h")), libraries=["z"],
+                      **{**COMMON, "extra_compile_args": COMMON["extra_compile_args"] + ["-fopenmp"],
+                         "extra_link_args": COMMON["extra_link_args"] + ["-fopenmp"]}),
 ]
 if glob.glob("csrc/cpu_gemm/*.cpp"):
     extensions.append(

@@ -29,8 +29,13 @@
 #include <stdexcept>
 #include <system_error>
 #include <string>
+#include <atomic>
+#include <mutex>
 #include <thread>
 #include <vector>
+
+#include <omp.h>
+#include <pthread.h>
 
 #include <zlib.h>
 
@@ -80,16 +85,28 @@ py::list supported_isas() {
 }
 
 // --------------------------------------------------------------- threads
-// Run fn(i, first, last) for n_chunks contiguous chunks of [0, n); chunk 0 on
-// the calling thread.
+// Run fn(i, first, last) for n_chunks contiguous chunks of [0, n) on OpenMP
+// threads. The extension links libgomp.so.1, and torch (imported first by
+// zipserv_vllm) has loaded its own copy under that soname, so these are
+// torch's intra-op threads: inside a vLLM CPU worker, the threads vLLM bound to
+// its cores (fresh std::threads would inherit the calling thread's affinity,
+// one core there). A process forked after OpenMP threads ran cannot start a
+// parallel region (GNU OpenMP waits for workers that do not exist in the
+// child), so a forked child runs every chunk on its calling thread; so does a
+// call from inside a parallel region.
+std::atomic<bool> g_forked{false};
+std::once_flag g_atfork_once;
+void mark_forked() { g_forked.store(true); }
+
 void parallel_chunks(int64_t n, int n_chunks, const std::function<void(int, int64_t, int64_t)>& fn) {
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, mark_forked); });
   auto bounds = [&](int i) { return n * i / n_chunks; };
   if (n_chunks <= 1) {
     fn(0, 0, n);
     return;
   }
-  // An exception must not escape a std::thread (that would terminate the
-  // interpreter): each chunk's is kept and the first rethrown after the join.
+  // An exception must not leave an OpenMP region: each chunk's is kept and the
+  // first rethrown afterwards.
   std::vector<std::exception_ptr> errors(n_chunks);
   auto run = [&](int i) {
     try {
@@ -98,20 +115,17 @@ void parallel_chunks(int64_t n, int n_chunks, const std::function<void(int, int6
       errors[i] = std::current_exception();
     }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(n_chunks - 1);
-  int started = 1;
-  try {
-    for (; started < n_chunks; ++started) pool.emplace_back(run, started);
-  } catch (const std::system_error&) {
-    // could not start more threads: the calling thread does the rest
+  if (g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {
+    for (int i = 0; i < n_chunks; ++i) run(i);
+  } else {
+#pragma omp parallel for schedule(static, 1) num_threads(n_chunks)
+    for (int i = 0; i < n_chunks; ++i) run(i);
   }
-  run(0);
-  for (int i = started; i < n_chunks; ++i) run(i);
-  for (auto& t : pool) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }
+
+int omp_threads_now() { return omp_get_max_threads(); }
 
 // Tiles are staged a block at a time: the block's 64 matrix rows are read (or
 // written) row by row, as long contiguous runs, and each tile is worked on in
@@ -626,7 +640,26 @@ py::array_t<uint32_t> tile_crc(const py::array& bitmaps, const py::array& base, 
 
 }  // namespace
 
+// The OS threads that ran the chunks of one parallel_chunks call with `threads`
+// chunks (tests: the codec really runs on that many threads).
+int threads_used(int threads) {
+  std::mutex mu;
+  std::vector<std::thread::id> ids;
+  parallel_chunks(threads, threads, [&](int, int64_t, int64_t) {
+    // long enough that one thread cannot take every chunk before the others start
+    volatile double sink = 0;
+    for (int i = 0; i < 2000000; ++i) sink = sink + i * 0.5;
+    std::lock_guard<std::mutex> lock(mu);
+    ids.push_back(std::this_thread::get_id());
+  });
+  std::sort(ids.begin(), ids.end());
+  return static_cast<int>(std::unique(ids.begin(), ids.end()) - ids.begin());
+}
+
 void register_codec(py::module_& m) {
+  m.def("threads_used", &threads_used, py::arg("threads"),
+        "Distinct OS threads one parallel codec call with this many chunks ran on (torch's OpenMP team)");
+  m.def("omp_max_threads", &omp_threads_now, "omp_get_max_threads() of the OpenMP runtime the codec uses");
   m.def("encode", &encode, py::arg("bits"), py::arg("threads") = 1,
         "Encode a C-contiguous uint16 [M, K] array of BF16 bits to (bitmaps, base, offsets, sm, fb), "
         "byte-identical to zipserv_vllm.format.reference.encode.");

@@ -405,3 +405,70 @@ def test_header_builds_and_round_trips_without_simd(tmp_path):
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "0", (run.returncode, run.stdout, run.stderr)
+
+
+# ----------------------------------------------------- threads (csrc/codec.cpp)
+@pytest.mark.skipif(not codec.native_available(), reason="the native codec is not built")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_codec_runs_on_torchs_openmp_threads():
+    """The codec's parallel calls run on torch's OpenMP team (one libgomp in the process, torch's),
+    as many OS threads as asked for, and its default count is torch's (ZIPSERV_THREADS overrides).
+    In a fresh process: other libraries of a test run may bundle OpenMP runtimes of their own."""
+    import json
+    import subprocess
+    import sys
+
+    probe = """
+import json, os, torch
+from zipserv_vllm import codec, compress_tensor, decompress_tensor, _C
+w = (torch.randn(256, 512, generator=torch.Generator().manual_seed(5)) * 0.05).bfloat16()
+assert torch.equal(decompress_tensor(compress_tensor(w, threads=2), threads=2).view(torch.int16), w.view(torch.int16))
+torch.set_num_threads(2)
+d2 = codec.default_threads()
+os.environ["ZIPSERV_THREADS"] = "3"
+d3 = codec.default_threads()
+with open("/proc/self/maps") as f:
+    libs = sorted({line.split()[-1] for line in f if len(line.split()) >= 6})
+print(json.dumps({"libs": libs, "used": _C.threads_used(2), "default": d2, "env": d3}))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    gomp = {p for p in out["libs"] if os.path.basename(p).startswith("libgomp")}
+    assert len(gomp) == 1 and os.path.dirname(next(iter(gomp))) == os.path.join(os.path.dirname(torch.__file__), "lib")
+    assert out["used"] == min(2, os.cpu_count() or 1)
+    assert out["default"] == 2 and out["env"] == 3
+
+
+@pytest.mark.skipif(not codec.native_available(), reason="the native codec is not built")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_codec_in_a_forked_child_does_not_deadlock():
+    """GNU OpenMP cannot start a team in a process forked after its threads ran: the codec runs
+    there on the calling thread, with the same bytes."""
+    import signal
+    import time
+
+    # small (under torch's own parallel grain: torch's ops cannot run a team in the child either)
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(6)) * 0.05).bfloat16()
+    ct = codec.compress_tensor(w, threads=2)
+    assert ct.base.numel() >= 2  # several tiles: the codec's parallel path
+    pid = os.fork()
+    if pid == 0:
+        try:
+            again = codec.compress_tensor(w, threads=2)
+            back = codec.decompress_tensor(again, threads=2)
+            ok = again.sm.numpy().tobytes() == ct.sm.numpy().tobytes() and \
+                back.view(torch.int16).numpy().tobytes() == w.view(torch.int16).numpy().tobytes()
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in the codec")

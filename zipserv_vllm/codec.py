@@ -7,7 +7,6 @@ two are byte-identical, which the test suite checks.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -33,16 +32,17 @@ def native_available() -> bool:
 
 
 def default_threads() -> int:
-    """Threads for the native codec: ZIPSERV_THREADS, else the usable cores."""
+    """Threads for the native codec: ZIPSERV_THREADS, else torch's intra-op thread count.
+
+    The codec runs on torch's OpenMP threads (csrc/codec.cpp): inside a vLLM CPU worker those are
+    the threads vLLM bound to its cores (the calling thread alone may be pinned to one core, so the
+    affinity mask would undercount)."""
     from .settings import threads
 
     env = threads()  # SettingError (one line) for a value that is not a positive integer
     if env is not None:
         return env
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover
-        return max(1, os.cpu_count() or 1)
+    return max(1, torch.get_num_threads())
 
 
 def _backend(backend: str) -> str:

@@ -8,6 +8,8 @@ their logprobs must be identical (exact mode, eager).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from zs_e2e import FAST_LOGPROB_TOL, PROMPTS, e2e_env, max_score_diff as _max_score_diff, run_engine
@@ -141,6 +143,9 @@ def test_fast_mode_teacher_forced_logprobs_close_to_bf16(way, request, llama_run
     assert mem["layouts"] == ({"v1": 10} if way == "v1" else {"bytesplit": 10})
     if way != "v1":  # byte-split: ~12.05 bits per weight (docs/FORMAT.md appendix A) plus arena rounding
         assert mem["arena_bytes"] < 0.8 * mem["compressed_bf16_bytes"]
+    # the codec runs on torch's OpenMP threads inside the worker, all of them (csrc/codec.cpp)
+    th = mem["codec_threads"]
+    assert th["default"] == th["torch"] == th["used"] >= min(2, os.cpu_count() or 1), th
     # the measuring dispatcher ran at engine start for every byte-split shape (kernels/cpu_dispatch.py)
     kernels = mem["cpu_kernels"]
     if way != "v1":

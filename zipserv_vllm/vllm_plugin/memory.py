@@ -109,7 +109,23 @@ def weight_memory(model: torch.nn.Module) -> dict:
         # CPU fast mode: the kernel measured fastest per shape and N bucket at engine start
         # (kernels/cpu_dispatch.py): {"MxK": [[bucket, kernel], ...]}
         "cpu_kernels": _cpu_kernels(),
+        # the native codec's threads in this worker (decode, tile checks, pack at load): its default
+        # count, the OS threads one parallel call really ran on (torch's OpenMP team), torch's count
+        # and this thread's affinity mask
+        "codec_threads": _codec_threads(),
     }
+
+
+def _codec_threads() -> dict[str, int]:
+    import os
+
+    import torch
+
+    from .. import codec
+
+    n = codec.default_threads()
+    used = codec._C.threads_used(n) if codec.native_available() else 0
+    return {"default": n, "used": used, "torch": torch.get_num_threads(), "affinity": len(os.sched_getaffinity(0))}
 
 
 def _cpu_kernels() -> dict[str, list]:
