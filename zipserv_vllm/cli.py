@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="show a progress bar (default: only on a terminal)")
         sp.add_argument("--threads", metavar="N", type=_positive_int, default=None,
-                        help="codec threads (default: ZIPSERV_THREADS or all usable cores)")
+                        help="codec threads (default: ZIPSERV_THREADS or torch's thread count)")
 
     c = sub.add_parser("compress", help="write a zipserv checkpoint of a BF16 checkpoint",
                        description="Compress every linear, embedding and lm_head weight of a BF16 safetensors "
