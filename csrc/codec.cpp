@@ -657,6 +657,8 @@ int threads_used(int threads) {
 }
 
 void register_codec(py::module_& m) {
+  // at import: a fork before the first parallel call must be seen too
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, mark_forked); });
   m.def("threads_used", &threads_used, py::arg("threads"),
         "Distinct OS threads one parallel codec call with this many chunks ran on (torch's OpenMP team)");
   m.def("omp_max_threads", &omp_threads_now, "omp_get_max_threads() of the OpenMP runtime the codec uses");

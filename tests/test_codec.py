@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zipserv_vllm import codec
-from zipserv_vllm.format import CompressedTensor, FormatError, reference, spec
+from zipserv_vllm.format import CompressedTensor, FormatError, reference
 
 _C = pytest.importorskip("zipserv_vllm._C", reason="native extension not built (pip install -e .)")
 if not hasattr(_C, "encode"):

@@ -102,7 +102,7 @@ def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 4, 6))  # streaming path (<= 4 tokens) and buffered path
+@pytest.mark.parametrize("n", (1, 4, 6, 8, 10))  # streaming (<= 4 tokens), buffered (blocks of 6, 2, 4)
 def test_gemm_reads_every_weight_exactly(n):
     """Both multiply paths' decodes, bit for bit: every finite normal BF16 pattern (exceptions, patched
     medium tiles) and Gaussian tiles (decoded in registers by the streaming path)."""
@@ -114,9 +114,10 @@ def test_gemm_reads_every_weight_exactly(n):
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 12, 13, 33))
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 33))  # every register block, both paths
 def test_gemm_within_bound(n):
-    w = _weight(192, 4096 + 70, seed=n)
+    # 520 rows: 9 tile rows, 3 work items of 4 rows, so 2 and 3 threads really split the work
+    w = _weight(520, 4096 + 70, seed=n)
     w[5, :40] = _weight(1, 40, seed=2, scale=30.0)  # exceptions
     pt = cpu_kernels.pack(w)
     g = torch.Generator().manual_seed(n)
@@ -204,9 +205,9 @@ def test_unknown_kernel_is_refused():
 # ------------------------------------------------------------------ dispatcher
 @pytest.fixture
 def clean_dispatch():
-    cpu_dispatch.set_measured({})
+    cpu_dispatch.clear_measured()
     yield
-    cpu_dispatch.set_measured({})
+    cpu_dispatch.clear_measured()
 
 
 def test_buckets_and_defaults(clean_dispatch, monkeypatch):
@@ -227,11 +228,17 @@ def test_measured_choices(clean_dispatch, monkeypatch):
     cpu_dispatch.set_measured(times)
     assert cpu_dispatch.measured() == {(128, 256): [(1, "fused"), (4, "panel"), (16, "fused")]}
     # N between buckets: the next bucket up; above the last: the last
-    assert [cpu_dispatch.choose(n, 128, 256) for n in (1, 2, 4, 5, 16, 999)] == \
-        ["fused", "panel", "panel", "fused", "fused", "fused"]
+    assert [cpu_dispatch.choose(n, 128, 256) for n in (1, 2, 4, 5, 16)] == ["fused", "panel", "panel", "fused", "fused"]
     assert cpu_dispatch.choose(4, 64, 64) == "panel"  # another shape: the default
+    # a partial measurement (budget cut at 16 tokens): above it, the default, not bucket 16's choice
+    assert cpu_dispatch.choose(999, 128, 256) == "panel"
     line = cpu_dispatch.ratios_line(128, 256, times[(128, 256)])
     assert line == "zipserv: CPU GEMM 128x256 vs BF16: N=1 fused 2.00x, N=4 panel 1.11x, N=16 fused 2.00x"
+    # a complete measurement: above the last bucket, its choice
+    full = {(64, 128): {b: {"fused": 1.0, "panel": 2.0} for b in cpu_dispatch.BUCKETS}}
+    cpu_dispatch.set_measured(full)
+    assert cpu_dispatch.choose(9999, 64, 128) == "fused"
+    assert cpu_dispatch.choose(4, 128, 256) == "panel"  # another shape's rows are kept (engines share them)
     # a CPU without the panel kernel ignores measured panel entries (e.g. a cache of another machine)
     monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: False)
     cpu_dispatch.set_measured(times)
@@ -257,7 +264,7 @@ def test_tuner_with_cpu_candidates(monkeypatch, tmp_path):
     try:
         assert [cpu_dispatch.choose(n, 64, 128) for n in (1, 2, 4, 512)] == ["fused", "fused", "panel", "panel"]
     finally:
-        cpu_dispatch.set_measured({})
+        cpu_dispatch.clear_measured()
     # prefer=speed: slower than BF16 at 512 tokens, which is past decode_n = 256: still compressed
     assert tuner.slower([(64, 128)]) is None
     wide = autotune.Tuner(fake, 512, 512, None, candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
@@ -267,6 +274,14 @@ def test_tuner_with_cpu_candidates(monkeypatch, tmp_path):
                            candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
     again.measure([(64, 128)])
     assert again.tuning.times == tuner.tuning.times
+    # a shape whose buckets a budget cut short is measured again (and the random weights released)
+    released = []
+    fake.release = lambda: released.append(1)
+    partial = autotune.Tuner(fake, 512, 256, None, candidates=cpu_dispatch.candidates, ns=cpu_dispatch.BUCKETS)
+    partial.tuning.times[(64, 128)] = {1: {"fused": 1.0}}
+    calls.clear()
+    partial.measure([(64, 128)])
+    assert sorted({c[1] for c in calls}) == list(cpu_dispatch.BUCKETS) and released == [1]
 
 
 def test_cache_key(monkeypatch, tmp_path):

@@ -215,7 +215,10 @@ void finish_panel(const Bf16GemmJob& job, const float* part, int64_t nb, int64_t
 // chunk (the next row's, past the row's end) are prefetched into L2, a
 // quarter per panel pass, so that the four passes over a chunk find it
 // there. Medium tiles with exceptions are decoded into a small buffer and
-// patched first. Same accumulation order per lane as the buffered path.
+// patched first. Each output is computed by one thread, so the bits do not depend
+// on the thread count; they do depend on the batch size (register blocks of 1-3
+// tokens on the buffered path use two accumulator sets per lane, the streaming
+// path one), as with any fast-mode kernel.
 constexpr int kStreamNb = 4;
 constexpr int64_t kChunk = 64;  // tiles: 384 KiB of records, twice that in L2 with the next chunk
 

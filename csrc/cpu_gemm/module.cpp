@@ -203,10 +203,15 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   std::atomic<int64_t> bad{-1};
   {
     py::gil_scoped_release nogil;
-    std::vector<uint16_t> xb(static_cast<size_t>(n * kp), 0);
+    // x zero-padded to Kp columns (a copy only when K is not a multiple of 64)
     const uint16_t* xs = static_cast<const uint16_t*>(x.data());
-    for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
-    const Bf16GemmJob job{w, xb.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
+    std::vector<uint16_t> xb;
+    if (kp != w.k) {
+      xb.assign(static_cast<size_t>(n * kp), 0);
+      for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
+      xs = xb.data();
+    }
+    const Bf16GemmJob job{w, xs, n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
     const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
     // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
     // the next row of its run while it multiplies the current one.
@@ -265,6 +270,7 @@ py::dict layout_constants() {
 
 PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.doc() = "zipserv-vllm fused decode-GEMM CPU kernels (TCA-TBE v1)";
+  install_fork_guard();
   mod.def("isas", &supported_isas, "ISAs this CPU can run, best first (always ends with 'scalar')");
   mod.def("gemm", &gemm, py::arg("x"), py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"),
           py::arg("fb"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"), py::arg("threads"),

@@ -33,8 +33,12 @@ void mark_forked() { g_forked.store(true); }
 
 }  // namespace
 
-void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+void install_fork_guard() {
   std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, mark_forked); });
+}
+
+void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+  install_fork_guard();  // (also at module import: a fork before the first call must be seen too)
   if (items <= 0) return;
   if (threads > items) threads = static_cast<int>(items);
   if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {

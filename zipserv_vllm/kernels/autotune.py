@@ -220,13 +220,22 @@ class Tuner:
         self._dirty = False
 
     def measure(self, shapes) -> None:
-        new = sorted({tuple(s) for s in shapes} - set(self.tuning.times))
+        """Time the shapes not measured yet, and those whose buckets a budget cut short before."""
+        want = set(buckets(self.max_n) if self.ns is None else self.ns)
+        new = sorted(s for s in {tuple(s) for s in shapes} if not want <= set(self.tuning.times.get(s, {})))
         if not new or self.budget_left <= 0:
             return
         t0 = time.perf_counter()
-        got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left, candidates=self.candidates, ns=self.ns)
+        try:
+            got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left, candidates=self.candidates,
+                       ns=self.ns)
+        finally:
+            release = getattr(self.time_fn, "release", None)  # e.g. the CPU timer's random weights
+            if release is not None:
+                release()
         self.budget_left -= time.perf_counter() - t0
-        self.tuning.times.update(got.times)
+        for shape, by_n in got.times.items():
+            self.tuning.times.setdefault(shape, {}).update(by_n)
         self.tuning.complete = self.tuning.complete and got.complete
         self._dirty = True
 

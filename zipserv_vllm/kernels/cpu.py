@@ -104,24 +104,28 @@ def set_threads(threads: int | None) -> None:
     _threads_override = None if threads is None else int(threads)
 
 
-_max_n_cache: tuple[str | None, int] | None = None
+_max_n_cache: dict[bool, tuple[str | None, int]] = {}
 
 
-def fused_max_n() -> int:
-    """Token count up to which the fused kernels are used (dispatch threshold).
+def fused_max_n(packed: bool = True) -> int:
+    """Token count up to which fast mode runs the fused kernels (dispatch threshold); above it,
+    decode + F.linear. ``packed``: for the byte-split layout (unlimited by default on CPUs with
+    AVX512-BF16, whose panel kernel serves large N), else for TCA-TBE v1 (512: its kernel is
+    the fp32 one only).
 
     Read on every fast-mode call, so the parsed value is kept per raw value of the variable."""
-    global _max_n_cache
     raw = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
-    if _max_n_cache is None or _max_n_cache[0] != raw:
+    hit = _max_n_cache.get(packed)
+    if hit is None or hit[0] != raw:
         from ..settings import cpu_fused_max_n
 
-        _max_n_cache = (raw, cpu_fused_max_n(FUSED_MAX_N_BF16 if bf16_supported() else FUSED_MAX_N_DEFAULT))
-    return _max_n_cache[1]
+        default = FUSED_MAX_N_BF16 if packed and bf16_supported() else FUSED_MAX_N_DEFAULT
+        hit = _max_n_cache[packed] = (raw, cpu_fused_max_n(default))
+    return hit[1]
 
 
-def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:
-    """None when ops.gemm(mode="fast") runs the fused kernel for this call, else the reason."""
+def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int, packed: bool = False) -> str | None:
+    """None when fast mode runs a fused kernel for this call, else the reason."""
     if _cpu_gemm is None:
         return _REASON
     if x.device.type != "cpu":
@@ -133,28 +137,34 @@ def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> str | None:
     n = x.numel() // max(1, x.shape[-1])
     if n < 1:
         return "x has no rows"
-    limit = fused_max_n()
+    limit = fused_max_n(packed)
     if n > limit:
         return f"{n} tokens > fused_max_n() = {limit}: decode + F.linear"
     return None
 
 
-def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> tuple[bool, str]:
-    """Whether ops.gemm(mode="fast") runs the fused kernel for this call, and why (not)."""
-    why = _why_not(x, bias, m)
+def dispatch(x: torch.Tensor, bias: torch.Tensor | None, m: int, packed: bool = False) -> tuple[bool, str]:
+    """Whether fast mode runs a fused kernel for this call, and why (not); ``packed``: W in the
+    byte-split layout (then the kernel is the dispatcher's choice, kernels/cpu_dispatch.py)."""
+    why = _why_not(x, bias, m, packed)
     if why is not None:
         return False, why
     n = x.numel() // x.shape[-1]
-    return True, f"fused kernel ({_isa_override or _cpu_gemm.isas()[0]}, {n} tokens <= {fused_max_n()})"
+    kernel = fast_kernel(x, m, x.shape[-1]) if packed else "fused"
+    isa = "avx512-bf16" if kernel == "panel" else (_isa_override or _cpu_gemm.isas()[0])
+    return True, f"{kernel} kernel ({isa}, {n} tokens <= {fused_max_n(packed)})"
 
 
 def fast_kernel(x: torch.Tensor, m: int, k: int) -> str:
-    """The byte-split kernel fast mode runs for this call (kernels/cpu_dispatch.py)."""
+    """The byte-split kernel fast mode runs for this call (kernels/cpu_dispatch.py); ``set_isa``
+    forces the fused kernel (the ISA applies to it only)."""
+    if _isa_override is not None:
+        return "fused"
     return cpu_dispatch.choose(x.numel() // max(1, k), m, k)
 
 
-def use_fused(x: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
-    return _why_not(x, bias, m) is None
+def use_fused(x: torch.Tensor, bias: torch.Tensor | None, m: int, packed: bool = False) -> bool:
+    return _why_not(x, bias, m, packed) is None
 
 
 def _arrays(ct: CompressedTensor):
@@ -296,6 +306,8 @@ def packed_decode(pt: PackedTensor, *, isa: str | None = None, threads: int | No
         _cpu_gemm.packed_decode_bf16(_c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
                                      _c(pt.exc).numpy(), int(m), int(k), _u16(out), _threads(threads))
         return out
+    if kernel != "fused":
+        raise ValueError(f"kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
     _cpu_gemm.packed_decode(_c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
                             _c(pt.exc).numpy(), int(m), int(k), _u16(out), _threads(threads),
                             isa or _isa_override or "auto")

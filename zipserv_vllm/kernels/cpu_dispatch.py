@@ -19,14 +19,15 @@ layers (:data:`BUCKETS`; kernels/autotune.py does the bookkeeping within a
 time budget), installs the fastest candidate per bucket with
 :func:`set_measured`, logs one line per shape with the measured ratios against
 the baseline, and caches the timings on disk keyed by the CPU (model name,
-ISA flags), the thread count and the package version (:func:`cache_file`).
+ISA flags), the thread count, the package version and the baseline's versions (:func:`cache_file`).
 ``prefer: speed`` keeps a layer BF16 where no candidate reaches the baseline
 (config.speed_reason). Where nothing was measured, :func:`default_kernel`
 decides: ``panel`` from 4 tokens on CPUs with AVX512-BF16 (measured on Zen 4,
 docs/CPU.md), else ``fused``.
 
 An N between buckets takes the next bucket up's choice; above the last
-bucket, the last one's. No torch import at module level.
+bucket, the last one's; above a shape's last measured bucket when the
+measurement stopped early, :func:`default_kernel`. No torch import at module level.
 """
 
 from __future__ import annotations
@@ -76,10 +77,14 @@ def default_kernel(n: int) -> str:
     return "panel" if n >= PANEL_MIN_N and bf16_supported() else "fused"
 
 
-def set_measured(times: dict[tuple[int, int], dict[int, dict[str, float]]]) -> None:
-    """Install the fastest kernel per measured (shape, bucket) (``Tuning.times``); replaces earlier ones.
-    Only this CPU's candidates count (a cached file of another build may name others)."""
+def clear_measured() -> None:
     _MEASURED.clear()
+
+
+def set_measured(times: dict[tuple[int, int], dict[int, dict[str, float]]]) -> None:
+    """Install the fastest kernel per measured (shape, bucket) (``Tuning.times``), replacing what an
+    earlier call said of these shapes (other shapes keep theirs: engines in one process share it).
+    Only this CPU's candidates count (a cached file of another build may name others)."""
     for (m, k), by_n in times.items():
         rows = []
         for n in sorted(by_n):
@@ -88,6 +93,8 @@ def set_measured(times: dict[tuple[int, int], dict[int, dict[str, float]]]) -> N
                 rows.append((n, min(t, key=lambda c: (t[c], c))))
         if rows:
             _MEASURED[(m, k)] = rows
+        else:
+            _MEASURED.pop((m, k), None)
 
 
 def measured() -> dict[tuple[int, int], list[tuple[int, str]]]:
@@ -101,7 +108,8 @@ def choose(n: int, m: int, k: int) -> str:
         for b, kern in rows:
             if n <= b:
                 return kern
-        return rows[-1][1]
+        if rows[-1][0] >= BUCKETS[-1]:  # past the last bucket: its choice; past a partial measurement: the default
+            return rows[-1][1]
     return default_kernel(n)
 
 
@@ -138,7 +146,7 @@ def cpu_time_fn(bf16_factory: Callable | None = None, reps: int = 5, threads: in
             base = bf16_factory(w) if bf16_factory is not None else (lambda x, w=w: F.linear(x, w))
             weights[(m, k)] = (cpu.pack(w, threads=threads), base)
         pt, base = weights[(m, k)]
-        x = torch.randn(n, k).to(torch.bfloat16)
+        x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
         if key == "bf16":
             call = lambda: base(x)  # noqa: E731
         else:
@@ -151,6 +159,7 @@ def cpu_time_fn(bf16_factory: Callable | None = None, reps: int = 5, threads: in
             out.append(time.perf_counter() - t0)
         return min(out)
 
+    fn.release = weights.clear  # the Tuner drops the random weights once it has measured
     return fn
 
 
@@ -174,10 +183,12 @@ def cpu_identity() -> str:
     return f"{name} [{' '.join(have) or 'unknown'}]"
 
 
-def cache_file(threads: int, version: str) -> Path:
+def cache_file(threads: int, version: str, baseline: str = "") -> Path:
+    """``baseline``: what the BF16 timings depend on besides the CPU (the plugin passes the vLLM and
+    torch versions)."""
     from ..cache import cache_dir
 
-    ident = f"{cpu_identity()} threads={threads} zipserv={version}"
+    ident = f"{cpu_identity()} threads={threads} zipserv={version} {baseline}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_dir() / "dispatch" / f"cpu-{digest}.json"
 

@@ -93,7 +93,7 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
     if mode == "fast" and x.device.type == "cpu":
         from . import cpu as cpu_kernels
 
-        if cpu_kernels.use_fused(x, bias, m):
+        if cpu_kernels.use_fused(x, bias, m, packed=True):
             return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias,
                                            kernel=cpu_kernels.fast_kernel(x, m, k))
     w = packed_decompress(tiles, luts, exc_start, exc, m, k)
@@ -121,7 +121,7 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
         # code goes through the op below (same kernel).
         from . import cpu as cpu_kernels
 
-        if cpu_kernels.use_fused(x, bias, m):
+        if cpu_kernels.use_fused(x, bias, m, packed):
             if packed:
                 return cpu_kernels.packed_linear(x, ct, bias, kernel=cpu_kernels.fast_kernel(x, m, k))
             return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias)

@@ -299,8 +299,11 @@ class ZipServConfig(QuantizationConfig):
 
                     threads = torch.get_num_threads()
                     ns = [b for b in cpu_dispatch.BUCKETS if b <= max_n] or [1]
+                    import vllm
+
+                    baseline = f"vllm={getattr(vllm, '__version__', '?')} torch={torch.__version__}"
                     tuner = autotune.Tuner(cpu_dispatch.cpu_time_fn(bf16_linear_factory), max_n, decode_n,
-                                           cpu_dispatch.cache_file(threads, __version__),
+                                           cpu_dispatch.cache_file(threads, __version__, baseline),
                                            candidates=cpu_dispatch.candidates, ns=ns)
                     tuner.kind = "cpu"
         self.__dict__["_tuner_obj"] = tuner

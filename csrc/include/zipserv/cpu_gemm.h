@@ -159,6 +159,8 @@ inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
 // dynamically; every item is computed entirely by one thread, so results do
 // not depend on `threads`.
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
+// Registers the fork handler parallel_for relies on (called at module import).
+void install_fork_guard();
 
 // The same for any callable body(tm0, tm1).
 template <class Body>
