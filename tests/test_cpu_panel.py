@@ -17,6 +17,8 @@ the dispatcher's tests run everywhere.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -305,3 +307,31 @@ def test_real_time_fn_times_every_candidate():
     fn = cpu_dispatch.cpu_time_fn(reps=1, threads=1)
     for key in ("bf16", "fused", "panel"):
         assert 0 < fn(key, 4, 64, 128) < 1.0
+
+
+@needs_bf16
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status and sets RLIMIT_AS (Linux)")
+def test_out_of_memory_is_a_memory_error_not_a_crash():
+    """The per-thread row buffer (8 MiB here) cannot be allocated under a tight address-space limit:
+    the call raises MemoryError (in a child process, whose limit is set after everything else ran)."""
+    import subprocess
+    import sys
+
+    probe = """
+import resource, torch
+from zipserv_vllm.kernels import cpu as ck
+w = (torch.randn(64, 65536) * 0.02).bfloat16()
+pt = ck.pack(w, threads=1)
+x = torch.randn(8, 65536).bfloat16()
+ck.packed_linear(x[:1], pt, kernel="fused", threads=1)
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+try:
+    ck.packed_linear(x, pt, kernel="panel", threads=1)
+    print("RESULT no error")
+except MemoryError:
+    print("RESULT MemoryError")
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT MemoryError" in r.stdout

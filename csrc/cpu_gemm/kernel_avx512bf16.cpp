@@ -35,6 +35,7 @@
 // The panel buffer is also the seam for other multipliers (an AMX BF16 tile
 // kernel would read the same panels).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -59,6 +60,8 @@ constexpr int kMediumWords = 16 * kFragElems;     // 16 FTs of a medium tile
 constexpr int kMaxNb = 6;                         // tokens per register block
 constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // next-row lines prefetched per 8-column group (3)
 
+std::atomic<bool> g_alloc_failed{false};
+
 // Per-thread panel buffer, grown on demand (never freed while the thread lives).
 struct PanelBuf {
   uint16_t* p = nullptr;
@@ -68,6 +71,11 @@ struct PanelBuf {
     if (words > cap) {
       std::free(p);
       p = static_cast<uint16_t*>(std::aligned_alloc(64, (words * 2 + 63) / 64 * 64));
+      if (p == nullptr) {  // out of memory: the caller reports it (no exception may leave an OpenMP region)
+        cap = 0;
+        g_alloc_failed.store(true);
+        return nullptr;
+      }
       cap = words;
     }
     return p;
@@ -288,6 +296,7 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   alignas(64) float acc[4][kStreamNb * 4 * 16];
   // medium tiles with exceptions, decoded and patched: [kChunk][4] slots of a medium tile each
   uint16_t* pbuf = panel_buf.get(static_cast<size_t>(kChunk * 4 * kMediumWords));
+  if (pbuf == nullptr) return;
   uint16_t* patched[4][kChunk];
   const uint32_t* cur[kChunk];
   int64_t prev[kChunk];
@@ -351,6 +360,7 @@ void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n, groups = kt * 8;
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
+  if (buf == nullptr) return;
   alignas(64) float part[kMaxNb * 4 * 16];
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     const int64_t bad = decode_row(w, tm, buf);  // 1.
@@ -380,6 +390,7 @@ void bf16_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt;
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
+  if (buf == nullptr) return;
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     const int64_t bad = decode_row(w, tm, buf);
     if (bad >= 0) {
@@ -409,6 +420,7 @@ namespace zipserv {
 namespace cpu {
 
 Bf16GemmRowsFn avx512bf16_gemm_rows() { return bf16_gemm_rows; }
+bool avx512bf16_alloc_failed() { return g_alloc_failed.exchange(false); }
 PackedDecodeRowsFn avx512bf16_decode_rows() { return bf16_decode_rows; }
 
 bool avx512bf16_supported() {

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <new>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -219,6 +220,7 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
     auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
     parallel_for(items, threads, body);
   }
+  if (avx512bf16_alloc_failed()) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
@@ -228,6 +230,7 @@ void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py:
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
   std::atomic<int64_t> bad{-1};
   run_decode(w, avx512bf16_decode_rows(), out, threads, bad);
+  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 

@@ -92,6 +92,7 @@ struct Bf16GemmJob {
 };
 using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1);
 Bf16GemmRowsFn avx512bf16_gemm_rows();
+bool avx512bf16_alloc_failed();  // whether a thread's buffer could not be allocated (clears the flag)
 bool avx512bf16_supported();
 
 PackedDecodeRowsFn avx512bf16_decode_rows();  // the panel kernel's decode step alone (tests)
