@@ -165,37 +165,58 @@ void panel_tokens(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_
   }
 }
 
+// The first tile of row tm whose exception range is malformed, or -1.
+int64_t bad_range_in_row(const Packed& w, int64_t tm) {
+  for (int64_t g = tm * w.kt; g < (tm + 1) * w.kt; ++g)
+    if (!packed_tile_ok(w, g)) return g;
+  return -1;
+}
+
+// Whether the next exception entry (e < e_end) belongs to medium tile mm (d >> 10 == mm).
+inline bool exc_in_medium(const uint32_t* e, const uint32_t* e_end, int mm) {
+  return e < e_end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm;
+}
+
+// Decodes medium tile mm of tile g (16 FTs) into dst and applies its exceptions, advancing e past
+// them; prev is the tile's last position seen. False when they are not in ascending order.
+inline bool decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, const uint32_t*& e,
+                          const uint32_t* e_end, int64_t& prev) {
+  const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
+#pragma GCC unroll 4
+  for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+  uint8_t* b = reinterpret_cast<uint8_t*>(dst);
+  bool ordered = true;
+  for (; exc_in_medium(e, e_end, mm); ++e) {
+    const int64_t d = *e >> kPkExcShift;
+    ordered &= d > prev;
+    prev = d;
+    b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*e);
+  }
+  return ordered;
+}
+
+inline __m512i tile_lut(const Packed& w, int64_t g) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
+}
+
 // Step 1 for tile row tm: checks its tiles and decodes them, a sequential walk
 // of their records, medium tile mm of tile tk into panel mm at
 // buf + (mm * kt + tk) * kMediumWords. Returns the first malformed tile, or -1.
 int64_t decode_row(const Packed& w, int64_t tm, uint16_t* buf) {
   const int64_t kt = w.kt;
-  for (int64_t tk = 0; tk < kt; ++tk)
-    if (!packed_tile_ok(w, tm * kt + tk)) return tm * kt + tk;
+  const int64_t bad_range = bad_range_in_row(w, tm);
+  if (bad_range >= 0) return bad_range;
   for (int64_t tk = 0; tk < kt; ++tk) {
     const int64_t g = tm * kt + tk;
-    const uint8_t* rec = w.tiles + g * kPkTileBytes;
-    const __m512i lut =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
+    const __m512i lut = tile_lut(w, g);
     const uint32_t* e = w.exc + w.exc_start[g];
     const uint32_t* e_end = w.exc + w.exc_start[g + 1];
     int64_t prev = -1;
-    bool bad = false;
-    for (int mm = 0; mm < 4; ++mm) {
-      const uint8_t* ft = rec + mm * 16 * kPkFtBytes;
-      uint16_t* dst = buf + (mm * kt + tk) * kMediumWords;
-#pragma GCC unroll 4
-      for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
-      uint8_t* b = reinterpret_cast<uint8_t*>(dst);
-      for (; e < e_end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm; ++e) {
-        const int64_t d = *e >> kPkExcShift;
-        bad |= d <= prev;
-        prev = d;
-        b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*e);
-      }
-    }
+    bool ordered = true;
+    for (int mm = 0; mm < 4; ++mm)
+      ordered &= decode_medium(w, g, mm, lut, buf + (mm * kt + tk) * kMediumWords, e, e_end, prev);
     // every entry belonged to the tile (d < 4096), in ascending order
-    if (bad || e != e_end) return g;
+    if (!ordered || e != e_end) return g;
   }
   return -1;
 }
@@ -243,10 +264,8 @@ __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* 
   for (int64_t tc = 0; tc < tn; ++tc) {
     const int64_t g = g0 + tc;
     const uint8_t* ft = tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
-    if (pf) {
 #pragma GCC unroll 24
-      for (int i = 0; i < 16 * kPkFtBytes; i += 64) _mm_prefetch(pf + tc * (16 * kPkFtBytes) + i, _MM_HINT_T1);
-    }
+    for (int i = 0; i < 16 * kPkFtBytes; i += 64) _mm_prefetch(pf + tc * (16 * kPkFtBytes) + i, _MM_HINT_T1);
     const uint16_t* pb = patched[tc];
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(luts + g * kPkLutEntries)));
     const uint16_t* xc = x + tc * kTile;
@@ -289,66 +308,51 @@ using StreamPassFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, 
 constexpr StreamPassFn kStreamPass[kStreamNb + 1] = {nullptr, stream_pass<1>, stream_pass<2>, stream_pass<3>,
                                                      stream_pass<4>};
 
+// job.n <= kStreamNb: one register block of tokens.
 void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
-  const int64_t nblocks = (n + kStreamNb - 1) / kStreamNb;
   alignas(64) float acc[4][kStreamNb * 4 * 16];
   // medium tiles with exceptions, decoded and patched: [kChunk][4] slots of a medium tile each
   uint16_t* pbuf = panel_buf.get(static_cast<size_t>(kChunk * 4 * kMediumWords));
   if (pbuf == nullptr) return;
   uint16_t* patched[4][kChunk];
-  const uint32_t* cur[kChunk];
-  int64_t prev[kChunk];
   for (int64_t tm = tm0; tm < tm1; ++tm) {
-    for (int64_t tk = 0; tk < kt; ++tk)
-      if (!packed_tile_ok(w, tm * kt + tk)) {
-        report_bad(job.bad_tile, tm * kt + tk);
-        return;
-      }
-    for (int64_t bl = 0; bl < nblocks; ++bl) {
-      const int64_t t0 = bl * kStreamNb, nb = std::min<int64_t>(kStreamNb, n - t0);
-      std::memset(acc, 0, sizeof(acc));
-      for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
-        const int64_t tn = std::min<int64_t>(kChunk, kt - c0), g0 = tm * kt + c0;
-        // exceptions: the medium tiles that have any are decoded and patched here
-        for (int64_t tc = 0; tc < tn; ++tc) {
-          const int64_t g = g0 + tc;
-          cur[tc] = w.exc + w.exc_start[g];
-          prev[tc] = -1;
-          const uint32_t* e_end = w.exc + w.exc_start[g + 1];
-          bool bad = false;
-          const __m512i lut =
-              _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
-          for (int mm = 0; mm < 4; ++mm) {
-            patched[mm][tc] = nullptr;
-            if (!(cur[tc] < e_end && static_cast<int>(*cur[tc] >> (kPkExcShift + 10)) == mm)) continue;
-            uint16_t* dst = pbuf + (tc * 4 + mm) * kMediumWords;
-            const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
-            for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
-            uint8_t* b = reinterpret_cast<uint8_t*>(dst);
-            for (; cur[tc] < e_end && static_cast<int>(*cur[tc] >> (kPkExcShift + 10)) == mm; ++cur[tc]) {
-              const int64_t d = *cur[tc] >> kPkExcShift;
-              bad |= d <= prev[tc];
-              prev[tc] = d;
-              b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*cur[tc]);
-            }
-            patched[mm][tc] = dst;
-          }
-          if (bad || cur[tc] != e_end) {  // every entry belonged to the tile (d < 4096), in ascending order
-            report_bad(job.bad_tile, g);
-            return;
-          }
-        }
-        // the next chunk's records: the rest of this row, or the next row's first chunk
-        // (prefetching past the matrix is harmless: prefetches do not fault)
-        const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
-        for (int mm = 0; mm < 4; ++mm)
-          kStreamPass[nb](w.tiles, w.luts, g0, tn, mm, job.x + t0 * job.kp + c0 * kTile, job.kp, patched[mm],
-                          bl == 0 ? next + mm * tn * (16 * kPkFtBytes) : nullptr, acc[mm]);
-      }
-      for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc[mm], nb, tm * kTile + mm * kPanelRows, t0);
+    const int64_t bad_range = bad_range_in_row(w, tm);
+    if (bad_range >= 0) {
+      report_bad(job.bad_tile, bad_range);
+      return;
     }
+    std::memset(acc, 0, sizeof(acc));
+    for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
+      const int64_t tn = std::min<int64_t>(kChunk, kt - c0), g0 = tm * kt + c0;
+      // exceptions: the medium tiles that have any are decoded and patched here
+      for (int64_t tc = 0; tc < tn; ++tc) {
+        const int64_t g = g0 + tc;
+        const uint32_t* e = w.exc + w.exc_start[g];
+        const uint32_t* e_end = w.exc + w.exc_start[g + 1];
+        int64_t prev = -1;
+        bool ordered = true;
+        const __m512i lut = tile_lut(w, g);
+        for (int mm = 0; mm < 4; ++mm) {
+          patched[mm][tc] = nullptr;
+          if (!exc_in_medium(e, e_end, mm)) continue;
+          patched[mm][tc] = pbuf + (tc * 4 + mm) * kMediumWords;
+          ordered &= decode_medium(w, g, mm, lut, patched[mm][tc], e, e_end, prev);
+        }
+        if (!ordered || e != e_end) {  // every entry belonged to the tile (d < 4096), in ascending order
+          report_bad(job.bad_tile, g);
+          return;
+        }
+      }
+      // the next chunk's records: the rest of this row, or the next row's first chunk
+      // (prefetching past the matrix is harmless: prefetches do not fault)
+      const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
+      for (int mm = 0; mm < 4; ++mm)
+        kStreamPass[n](w.tiles, w.luts, g0, tn, mm, job.x + c0 * kTile, job.kp, patched[mm],
+                       next + mm * tn * (16 * kPkFtBytes), acc[mm]);
+    }
+    for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc[mm], n, tm * kTile + mm * kPanelRows, 0);
   }
 }
 

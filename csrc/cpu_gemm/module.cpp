@@ -105,21 +105,33 @@ Packed packed(const py::array& tiles, const py::array& luts, const py::array& ex
                 static_cast<int64_t>(exc.shape(0)), m, k, mt, kt};
 }
 
+// The checked activation, bias and output arrays of one GEMM call with W of m x k.
+struct GemmArgs {
+  int64_t n;
+  py::array bias_a;  // keeps the bias array alive
+  const uint16_t* bias = nullptr;
+};
+
+GemmArgs gemm_args(int64_t m, int64_t k, const py::array& x, const py::object& bias, py::array& out) {
+  check(x, "x", "ui", 2, {-1, k});
+  GemmArgs a{x.shape(0), py::array(), nullptr};
+  check(out, "out", "ui", 2, {a.n, m});
+  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
+  if (!bias.is_none()) {
+    a.bias_a = bias.cast<py::array>();
+    check(a.bias_a, "bias", "ui", 2, {m});
+    a.bias = static_cast<const uint16_t*>(a.bias_a.data());
+  }
+  return a;
+}
+
 // y = x . W^T + bias by kernel function fn (W a Matrix or a Packed).
 template <class W, class Fn>
 void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py::array& out, int threads,
               std::atomic<int64_t>& bad) {
-  check(x, "x", "ui", 2, {-1, w.k});
-  const int64_t n = x.shape(0);
-  check(out, "out", "ui", 2, {n, w.m});
-  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
-  const uint16_t* bias_p = nullptr;
-  py::array bias_a;
-  if (!bias.is_none()) {
-    bias_a = bias.cast<py::array>();
-    check(bias_a, "bias", "ui", 2, {w.m});
-    bias_p = static_cast<const uint16_t*>(bias_a.data());
-  }
+  const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
+  const int64_t n = args.n;
+  const uint16_t* bias_p = args.bias;
   if (n == 0) return;
   const int64_t kp = w.kt * kTile;
   py::gil_scoped_release nogil;
@@ -188,17 +200,9 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
                       int threads) {
   if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
-  check(x, "x", "ui", 2, {-1, w.k});
-  const int64_t n = x.shape(0);
-  check(out, "out", "ui", 2, {n, w.m});
-  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
-  const uint16_t* bias_p = nullptr;
-  py::array bias_a;
-  if (!bias.is_none()) {
-    bias_a = bias.cast<py::array>();
-    check(bias_a, "bias", "ui", 2, {w.m});
-    bias_p = static_cast<const uint16_t*>(bias_a.data());
-  }
+  const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
+  const int64_t n = args.n;
+  const uint16_t* bias_p = args.bias;
   if (n == 0) return;
   const int64_t kp = w.kt * kTile;
   std::atomic<int64_t> bad{-1};
