@@ -445,30 +445,16 @@ print(json.dumps({"libs": libs, "used": _C.threads_used(2), "default": d2, "env"
 def test_codec_in_a_forked_child_does_not_deadlock():
     """GNU OpenMP cannot start a team in a process forked after its threads ran: the codec runs
     there on the calling thread, with the same bytes."""
-    import signal
-    import time
+    from forking import passes_in_forked_child
 
     # small (under torch's own parallel grain: torch's ops cannot run a team in the child either)
     w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(6)) * 0.05).bfloat16()
     ct = codec.compress_tensor(w, threads=2)
     assert ct.base.numel() >= 2  # several tiles: the codec's parallel path
-    pid = os.fork()
-    if pid == 0:
-        try:
-            again = codec.compress_tensor(w, threads=2)
-            back = codec.decompress_tensor(again, threads=2)
-            ok = again.sm.numpy().tobytes() == ct.sm.numpy().tobytes() and \
-                back.view(torch.int16).numpy().tobytes() == w.view(torch.int16).numpy().tobytes()
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child hung in the codec")
+    def check():
+        again = codec.compress_tensor(w, threads=2)
+        back = codec.decompress_tensor(again, threads=2)
+        return again.sm.numpy().tobytes() == ct.sm.numpy().tobytes() and \
+            back.view(torch.int16).numpy().tobytes() == w.view(torch.int16).numpy().tobytes()
+
+    passes_in_forked_child(check, "the codec")

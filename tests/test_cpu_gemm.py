@@ -14,8 +14,6 @@ Budget: < 90 s on 2 cores (the scalar path is the slow one; shapes are small).
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -341,27 +339,14 @@ print(json.dumps(libs))
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_fork_after_use_does_not_deadlock():
     """GNU OpenMP cannot start a team in a forked child: the kernel must run there on the calling thread."""
+    from forking import passes_in_forked_child
+
     w = _weight(256, 128, seed=91)
     ct = compress_tensor(w)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(92)).bfloat16()
     ref = cpu_kernels.fused_linear(x, ct, threads=2)
-    pid = os.fork()
-    if pid == 0:  # child: exit code 0 only if the kernel runs and agrees
-        try:
-            ok = torch.equal(_bits(cpu_kernels.fused_linear(x, ct, threads=2)), _bits(ref))
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child hung in the fused kernel")
+    passes_in_forked_child(lambda: torch.equal(_bits(cpu_kernels.fused_linear(x, ct, threads=2)), _bits(ref)),
+                           "the fused kernel")
 
 
 def test_without_the_extension_fast_falls_back_with_a_reason(monkeypatch):

