@@ -40,7 +40,7 @@ from ..kernels import ops
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
 from . import compat, errors, loading
-from .gemm import exact_gemm
+from .gemm import exact_gemm, note_shape
 from .log import logger
 
 LinearMethodBase = compat.find("LinearMethodBase")
@@ -92,11 +92,17 @@ def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tenso
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def compressed_embedding(st: loading.LayerState, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the compressed table (``zipserv::embedding``: decodes only the tile rows they touch)."""
+def compressed_embedding(st: loading.LayerState, ids: torch.Tensor, mode: str = "fast") -> torch.Tensor:
+    """Rows ``ids`` of the compressed table (``zipserv::embedding``: decodes only the tile rows they touch).
+
+    Exact mode under torch.compile decodes the whole table and gathers with ``F.embedding``, as the BF16
+    layer does: Inductor then fuses the gather into its consumers exactly as in the BF16 model's graph
+    (it recomputes a gather inside the following residual-add / RMSNorm kernels, whereas an opaque op's
+    output is a stored buffer; the two fusions keep different intermediates in fp32, and the logprobs
+    differed by up to 2.5e-4 on the tiny Qwen2 model). Eager exact mode needs no such care."""
     if not st.parts:
         raise RuntimeError(f"zipserv: embedding {st.prefix} was never loaded")
-    if len(st.parts) != 1:
+    if len(st.parts) != 1 or (mode == "exact" and torch.compiler.is_compiling()):
         return F.embedding(ids, _full_weight(st))
     return _embedding_op.compressed_embedding(ids, st.parts[0], st.rows)
 
@@ -175,6 +181,8 @@ class _ZipServMethodBase:
             self.config.execute_plan()  # loads every recorded layer at once
         if st.bf16 and not getattr(layer, "_zs_unq_done", False):
             self._bf16_process(layer)
+        if self.config.mode == "exact" and not st.bf16:
+            note_shape(st.rows, st.cols)  # how vLLM's BF16 layer of this shape would compute (traced GEMM)
         if st.done:
             return
         w = layer.weight
@@ -319,7 +327,7 @@ class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
         st = layer.__dict__.get(_STATE)
         if st is None or st.bf16:
             return self._unq.embedding(layer, input_)
-        return compressed_embedding(st.source(), input_)
+        return compressed_embedding(st.source(), input_, self.config.mode)
 
     def tie_weights(self, layer, embed_tokens):
         """lm_head shares the embedding's compressed table (no copy)."""
