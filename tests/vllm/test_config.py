@@ -20,13 +20,14 @@ def test_register_is_idempotent_and_registers_the_name():
 
 
 def test_version_support(monkeypatch):
-    """0.32 and 0.33 are tested; a newer vLLM runs with one warning when every API is found; an
+    """0.32, 0.33 and 0.34 are tested; a newer vLLM runs with one warning when every API is found; an
     older one is refused with one line; a missing API is named in one line."""
     from zipserv_vllm.vllm_plugin import compat, version
 
     assert version.is_supported(version.vllm_version())  # the installed one is tested
     assert version.is_supported("0.32.0") and version.is_supported("0.32.7+cpu") and version.is_supported("0.33.0")
-    assert version.status("0.34.1") == "newer" and version.status("0.31.0") == "older"
+    assert version.is_supported("0.34.0") and version.status("0.34.1") == "tested"
+    assert version.status("0.35.0") == "newer" and version.status("0.31.0") == "older"
     assert not version.is_supported("dev") and version.status("dev") == "unknown"
     monkeypatch.delenv("ZIPSERV_SKIP_VLLM_VERSION_CHECK", raising=False)
     monkeypatch.setattr(version, "vllm_version", lambda: "0.40.1")
@@ -35,7 +36,7 @@ def test_version_support(monkeypatch):
 
     assert ZipServConfig().mode in ("fast", "exact")
     monkeypatch.setattr(version, "vllm_version", lambda: "0.31.2")
-    with pytest.raises(version.UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, found vLLM 0\.31\.2"):
+    with pytest.raises(version.UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x, found vLLM 0\.31\.2"):
         version.check_vllm_version()
     with pytest.raises(version.UnsupportedVLLMError, match="found vLLM 0.31.2"):
         ZipServConfig()
@@ -44,7 +45,7 @@ def test_version_support(monkeypatch):
     monkeypatch.setitem(compat.NEEDS, "LinearBase", compat.Need("LinearBase", (("vllm.no_such_module", "LinearBase"),)))
     monkeypatch.setitem(compat._found, "LinearBase", None)
     with pytest.raises(compat.VLLMCompatError, match=r"has no LinearBase \(vllm\.no_such_module\.LinearBase\), which "
-                                                     r"zipserv-vllm needs; zipserv-vllm is tested with vLLM 0\.32\.x, 0\.33\.x"):
+                                                     r"zipserv-vllm needs; zipserv-vllm is tested with vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x"):
         compat.check()
 
 
@@ -86,6 +87,31 @@ def test_config_pickles_settings_not_state():
     cfg.arena("cpu")
     back = pickle.loads(pickle.dumps(cfg))
     assert back.precompressed and back.mode == cfg.mode and back._arenas == {} and back._states == []
+
+
+def test_compile_cache_factors(monkeypatch):
+    """What goes into the engine's additional_config (hashed into vLLM's compile-cache key): the mode,
+    every ZIPSERV_* setting except the per-process error file, and once loaded the layers' digest."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+
+    monkeypatch.setenv("ZIPSERV_MODE", "exact")
+    monkeypatch.setenv("ZIPSERV_ERROR_FILE", "/tmp/zipserv-errors-xyz.txt")
+    monkeypatch.setenv("ZIPSERV_CPU_LAYOUT", "v1")
+    exact = ZipServConfig(precompressed=True)
+    f = exact.compile_factors()
+    assert f["mode"] == "exact" and f["env"] == {"ZIPSERV_CPU_LAYOUT": "v1", "ZIPSERV_MODE": "exact"}
+    assert f["layers"] is None  # nothing loaded yet
+    monkeypatch.setenv("ZIPSERV_MODE", "fast")
+    assert ZipServConfig(precompressed=True).compile_factors() != f
+    vc = VllmConfig()
+    with set_current_vllm_config(vc):
+        exact._key_compile_cache()
+    assert vc.additional_config["zipserv"] == exact.compile_factors() and vc.additional_config["zipserv"]["mode"] == "exact"
+    before = vc.compute_hash()
+    vc.additional_config["zipserv"]["mode"] = "fast"
+    assert vc.compute_hash() != before  # vLLM hashes it
 
 
 def test_preflight_accepts_a_sound_checkpoint(llama_dirs):

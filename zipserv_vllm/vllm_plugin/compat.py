@@ -57,6 +57,14 @@ NEEDS: dict[str, Need] = {n.what: n for n in (
     Need("dispatch_unquantized_gemm", (("vllm.model_executor.layers.utils", "dispatch_unquantized_gemm"),)),
     Need("current_platform", (("vllm.platforms", "current_platform"),)),
     Need("get_current_vllm_config", (("vllm.config", "get_current_vllm_config"),), required=False),
+    # The engine's config while vLLM builds a model (None outside): its additional_config carries zipserv's
+    # compile-cache factors, its static_forward_context the MoE layers the zipserv::moe_experts op looks up.
+    Need("get_current_vllm_config_or_none", (("vllm.config.vllm", "get_current_vllm_config_or_none"),
+                                             ("vllm.config", "get_current_vllm_config_or_none")), required=False),
+    # The running forward pass's per-layer objects (no_compile_layers), as vLLM's attention op finds its layer.
+    Need("get_forward_context", (("vllm.forward_context", "get_forward_context"),), required=False),
+    Need("is_forward_context_available", (("vllm.forward_context", "is_forward_context_available"),),
+         required=False),
     Need("init_logger", (("vllm.logger", "init_logger"),)),
     # The OpenAI server `vllm serve` runs (python -m zipserv_vllm.serve); looked up, not imported.
     Need("api_server_entry", (("vllm.entrypoints.launchers.api_server.entry", "main"),

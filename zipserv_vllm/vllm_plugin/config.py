@@ -13,6 +13,7 @@ Mode: ``ZIPSERV_MODE`` (``fast`` | ``exact``) wins over the checkpoint's
 
 from __future__ import annotations
 
+import os as _os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from ..format.cpu_layout import PackedTensor
 from .arena import DEFAULT_PAGE_BYTES, PagedArena
 from .log import logger
 from .version import check_vllm_version
+
+#: ZIPSERV_* variables that differ between processes but never change a traced graph
+_PER_PROCESS = ("ZIPSERV_ERROR_FILE",)
 
 LinearBase = compat.find("LinearBase")
 QuantizationConfig = compat.find("QuantizationConfig")
@@ -109,7 +113,8 @@ class ZipServConfig(QuantizationConfig):
     # vLLM pickles the config from the front-end to the workers: ship settings, not state.
     def __getstate__(self):
         d = dict(self.__dict__)
-        for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain", "_moe_pending"):
+        for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain", "_moe_pending",
+                  "_engine_config"):
             d.pop(k, None)
         return d
 
@@ -173,6 +178,7 @@ class ZipServConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         loading.set_packed_mapping(self.packed_modules_mapping)
+        self._key_compile_cache()
         if isinstance(layer, LinearBase):
             cls = methods.ZipServLinearMethod if self.precompressed else methods.ZipServOnlineLinearMethod
             return cls(self)
@@ -196,6 +202,41 @@ class ZipServConfig(QuantizationConfig):
         if "MoE" in name or "Experts" in name:
             self._unmanaged[name] = self._unmanaged.get(name, 0) + 1
         return None
+
+    def compile_factors(self) -> dict[str, Any]:
+        """What decides the graphs torch.compile traces through zipserv's layers, beyond the traced source
+        files and the checkpoint's config.json (which vLLM's compile-cache key already covers): the
+        resolved mode, the package version (its native kernels are not traced files), every ``ZIPSERV_*``
+        setting in the environment (the mode, the CPU layout, the dispatcher's preferences...; not the
+        per-process error file) and, once loaded, which layers are compressed and how (the measuring
+        dispatcher's ``prefer: speed`` may keep others BF16 on another host or run)."""
+        import hashlib
+
+        from .. import __version__
+
+        env = {k: v for k, v in sorted(_os.environ.items()) if k.startswith("ZIPSERV_") and k not in _PER_PROCESS}
+        layers = hashlib.sha256(repr(sorted(
+            (st.prefix, st.bf16, [type(p).__name__ for p in st.parts]) for st in self._states)).encode())
+        return {"version": __version__, "mode": self.mode, "precompressed": self.precompressed, "env": env,
+                "layers": layers.hexdigest()[:16] if self._finished else None}
+
+    def _key_compile_cache(self) -> None:
+        """Put :meth:`compile_factors` into the engine's ``additional_config``, which vLLM hashes into its
+        torch.compile cache key when it compiles (after loading; vLLM has no hook for a quantization
+        config's own factors): a warm cache made with another mode, other settings or other layers
+        compressed is then never reused. Called while vLLM builds the model (where its config is current)
+        and again when loading is over."""
+        if "_engine_config" not in self.__dict__:
+            get = compat.find("get_current_vllm_config_or_none", required=False)
+            self._engine_config = get() if get is not None else None
+        extra = getattr(self._engine_config, "additional_config", None)
+        if isinstance(extra, dict):
+            extra["zipserv"] = self.compile_factors()
+        elif extra is not None and not getattr(self, "_warned_extra", False):
+            self._warned_extra = True
+            logger.warning("zipserv: additional_config is a %s, not a dict: zipserv's settings (mode %s) are not "
+                           "in vLLM's compile-cache key; set VLLM_DISABLE_COMPILE_CACHE=1 when changing them",
+                           type(extra).__name__, self.mode)
 
     # ------------------------------------------------------- loading state
     def note_plain(self, prefix: str, reason: str) -> None:
@@ -250,6 +291,7 @@ class ZipServConfig(QuantizationConfig):
             for st in users:
                 st.bind()
         self._autotune()
+        self._key_compile_cache()  # now with the layers as loaded
         if not self.precompressed or repacked:
             _release_freed_memory()
         self.log_summary()
@@ -264,7 +306,6 @@ class ZipServConfig(QuantizationConfig):
         injected timings, or ZIPSERV_AUTOTUNE=0."""
         if "_tuner_obj" in self.__dict__:
             return self.__dict__["_tuner_obj"]
-        import os as _os
 
         from ..kernels import autotune
 

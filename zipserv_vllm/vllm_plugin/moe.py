@@ -55,8 +55,7 @@ from .log import logger
 UnquantizedFusedMoEMethod = compat.find("UnquantizedFusedMoEMethod")
 set_weight_attrs = compat.find("set_weight_attrs")
 
-_LAYERS: dict[int, tuple] = {}  # op key -> (weakref to the layer, its method)
-_KEYS = itertools.count()
+_LAYERS: dict[str, "_Entry"] = {}  # op name -> the layer and its method, outside a forward pass (last built)
 _MOE = "_zs_moe_states"
 _RECORDS, _ARRIVED, _GLOBAL = "_zs_moe_records", "_zs_moe_arrived", "_zs_moe_global"
 _RELOADED = "_zs_moe_reloaded"  # (local expert, shard) loaded by vLLM's layer-wise reload
@@ -68,17 +67,64 @@ def moe_states(layer) -> list[loading.LayerState]:
     return layer.__dict__.get(_MOE) or []
 
 
+def _op_name(prefix: str) -> str:
+    """The key a MoE layer's zipserv entry has in vLLM's ``static_forward_context`` (beside vLLM's own
+    entry for the layer under ``prefix``, which must stay unique)."""
+    return f"{prefix}#zipserv"
+
+
+class _Entry:
+    """A compressed MoE layer and its method, as ``zipserv::moe_experts`` finds them by name."""
+
+    def __init__(self, layer, method):
+        self.layer_ref, self.method = weakref.ref(layer), method
+
+
+def _register(layer, method) -> None:
+    """Make the layer findable by its name: in the engine's ``static_forward_context`` (which vLLM hands
+    to every forward pass as ``no_compile_layers``, as attention finds its layer), and in a per-process
+    table for calls outside an engine's forward pass."""
+    name = _op_name(method.zs_prefix)
+    entry = _Entry(layer, method)
+    get = compat.find("get_current_vllm_config_or_none", required=False)
+    vc = get() if get is not None else None
+    ctx = getattr(getattr(vc, "compilation_config", None), "static_forward_context", None)
+    if isinstance(ctx, dict):
+        ctx[name] = entry
+    _LAYERS[name] = entry
+    weakref.finalize(layer, _forget, name, entry)  # the method (and its arenas) go with the model
+
+
+def _forget(name: str, entry: _Entry) -> None:
+    if _LAYERS.get(name) is entry:
+        del _LAYERS[name]
+
+
+def _lookup(name: str) -> _Entry:
+    avail = compat.find("is_forward_context_available", required=False)
+    if avail is not None and avail():
+        entry = compat.find("get_forward_context")().no_compile_layers.get(name)
+        if entry is not None:
+            return entry
+    entry = _LAYERS.get(name)
+    if entry is None:
+        raise RuntimeError(f"zipserv: no compressed MoE layer named {name!r} in this engine")
+    return entry
+
+
 @torch.library.custom_op("zipserv::moe_experts", mutates_args=())
-def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
-    ref, method = _LAYERS[key]
-    layer = ref()
+def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The routed experts of the MoE layer ``layer_name``, looked up by name at run time (never a
+    number baked into a traced graph, which a compile cache could hand to another engine or process)."""
+    entry = _lookup(layer_name)
+    layer = entry.layer_ref()
     if layer is None:
         raise RuntimeError("zipserv: a MoE layer was called after its model was freed")
-    return method.compute(layer, x, topk_weights, topk_ids)
+    return entry.method.compute(layer, x, topk_weights, topk_ids)
 
 
 @_moe_experts.register_fake
-def _(x, topk_weights, topk_ids, key):
+def _(x, topk_weights, topk_ids, layer_name):
     return torch.empty_like(x)
 
 
@@ -113,6 +159,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         as ``experts.N.w1.weight`` maps to ``experts.w13_weight``): recorded, read by tile later."""
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)
+        _register(layer, self)
         layer.__dict__[_ARRIVED] = set()  # (local expert, shard) loaded as BF16
         layer.__dict__[_RECORDS] = {}     # (local expert, shard) -> {suffix: checkpoint tensor}
         layer.__dict__[_GLOBAL] = {}      # local expert -> its id in the checkpoint
@@ -264,9 +311,6 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         # vLLM sets up its expert kernel (and prepacks the BF16 weights, which are dropped next).
         super().process_weights_after_loading(layer)
         self._placeholders(layer, w13.device)
-        self._key = next(_KEYS)
-        _LAYERS[self._key] = (weakref.ref(layer), self)
-        weakref.finalize(layer, _LAYERS.pop, self._key, None)  # the method (and its arenas) go with the model
 
     def _load_experts(self, layer, states: list) -> None:
         """Every local expert's ``w13`` and ``w2`` into the arena, one LayerState each (appended to
@@ -468,7 +512,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if not moe_states(layer):
             return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-        return torch.ops.zipserv.moe_experts(x, topk_weights, topk_ids, self._key)
+        return torch.ops.zipserv.moe_experts(x, topk_weights, topk_ids, _op_name(self.zs_prefix))
 
     def compute(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """The experts' output for ``x`` (eager; inside ``zipserv::moe_experts``)."""
