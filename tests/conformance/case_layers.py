@@ -152,3 +152,33 @@ def test_embedding_lm_head_and_tied_head(vllm_cpu, way):
         assert torch.equal(tied.quant_method.apply(tied, x)[:, :V],
                            emb.quant_method.apply(emb, x)[:, :V])  # the tied head reads the embedding's table
         assert torch.equal(_full(emb)[:V].view(torch.int16), we.view(torch.int16))
+
+
+@pytest.mark.parametrize("way", ["pre", "pack"])
+def test_partly_loaded_merged_layer_is_refused(vllm_cpu, way):
+    """A merged gate/up layer that receives only its gate shard (a damaged or mis-mapped checkpoint)
+    is refused with one line naming the layer, never compressed with rows that were not loaded.
+    On vLLM >= 0.34 the layer is a StackedColumnParallelLinear, and its own record of loaded shards
+    (``pop_missing_shards``, which vLLM's loader consults only for unquantized models) agrees."""
+    import vllm.model_executor.layers.linear as vllm_linear
+    from vllm.config import set_current_vllm_config
+
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+
+    make, shards, _ = _layers()["gate_up"]
+    with set_current_vllm_config(vllm_cpu):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = make(ZipServConfig(precompressed=(way == "pre")))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        stacked = getattr(vllm_linear, "StackedColumnParallelLinear", None)
+        if stacked is not None:
+            assert isinstance(layer, stacked) and layer.shard_ids == (0, 1)
+        _load_linear(layer, shards[:1], 0, way == "pre")
+        if stacked is not None and way == "pack":
+            assert layer.pop_missing_shards() == ["weight.1"]
+        with pytest.raises(Exception) as info:
+            _process(layer)
+    msg = str(info.value)
+    assert msg.startswith("zipserv: ") and "\n" not in msg and "m.gate_up_proj" in msg, msg

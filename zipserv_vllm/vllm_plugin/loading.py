@@ -400,6 +400,34 @@ def _aligned(split, full) -> bool:
             and (length % spec.TILE == 0 or start + length == full[dim]))
 
 
+def shard_noting_loader(state: LayerState, orig):
+    """vLLM's weight loader of a pack-at-load layer, noting which shards (q/k/v, gate/up...) it was given,
+    so a merged layer that received only some of them is refused (:func:`check_shards_arrived`) rather
+    than compressed with rows nothing was loaded into."""
+
+    def zipserv_shard_noting_loader(param, loaded_weight, *args, **kwargs):
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
+        arrived = state.__dict__.setdefault("_arrived", set())
+        arrived.update(shard if isinstance(shard, tuple) else (shard,))
+        return orig(param, loaded_weight, *args, **kwargs)
+
+    return zipserv_shard_noting_loader
+
+
+def check_shards_arrived(state: LayerState) -> None:
+    """One line naming the first shard of a pack-at-load layer that was never loaded (a shard id of
+    None is the whole stacked weight at once)."""
+    arrived = state.__dict__.pop("_arrived", None)
+    if arrived is None or None in arrived:
+        return
+    missing = [s for s in state.expected_shards if s not in arrived]
+    if missing:
+        raise ZipServLoadError(
+            f"zipserv: checkpoint tensor {_ckpt_name(state, missing[0], WEIGHT)} was never loaded, so layer "
+            f"{state.prefix} is only partly filled (it takes shards {list(state.expected_shards)}, got "
+            f"{sorted(arrived, key=str)}); refusing to compress rows nothing was loaded into")
+
+
 # --------------------------------------------------------------- execution
 def _collect(state: LayerState) -> dict[Any, dict[str, torch.Tensor]]:
     """Recorded tensors by shard, checked for completeness (one clear error)."""

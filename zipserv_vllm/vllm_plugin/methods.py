@@ -129,6 +129,9 @@ class _ZipServMethodBase:
 
     @staticmethod
     def _expected_shards(layer):
+        ids = getattr(layer, "shard_ids", None)  # vLLM >= 0.34: every stacked layer names its shards
+        if isinstance(ids, tuple) and ids:
+            return list(ids)
         if isinstance(layer, compat.find("QKVParallelLinear")):
             return ["q", "k", "v"]
         if isinstance(layer, compat.find("MergedColumnParallelLinear")):
@@ -154,6 +157,8 @@ class _ZipServMethodBase:
         layer.register_parameter("weight", w)
         set_weight_attrs(w, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(w, extra)
+        if orig is not None:
+            w.weight_loader = loading.shard_noting_loader(st, orig)  # which shards arrive (checked before packing)
         # A zipserv checkpoint's arrays cannot update a layer compressed while loading: one clear line.
         for name in loading.ALL_SUFFIXES:
             p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
@@ -189,6 +194,7 @@ class _ZipServMethodBase:
         if w.is_meta:
             raise loading.ZipServLoadError(f"zipserv: no weights were loaded for {st.prefix}.weight "
                                            f"(the checkpoint has no tensor for this layer)")
+        loading.check_shards_arrived(st)
         try:
             reason = self.config.speed_reason([(st.rows, st.cols)])
             if reason:  # the measuring dispatcher's prefer=speed
