@@ -62,6 +62,14 @@ if [ ! -d .vllm033/vllm-0.33.0.dist-info ]; then
   pip_v install --no-deps --target .vllm033 "vllm==0.33.0"
 fi
 
+# vLLM 0.34's Python package likewise (239 MB download, 0.55 GB unpacked): its CPU platform wants
+# triton-cpu, which tests/conformance/conftest.py stands in for while a config is built.
+if [ ! -d .vllm034/vllm-0.34.0.dist-info ]; then
+  say "installing vLLM 0.34.0's Python package into .vllm034/ for the conformance suite (239 MB download)"
+  rm -rf .vllm034
+  pip_v install --no-deps --target .vllm034 "vllm==0.34.0"
+fi
+
 say "building the demo model (SmolLM2-135M-Instruct, BF16, dequantized from the package's Q4_1 GGUF; cached)"
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -m zipserv_vllm.testing.smollm2 | sed 's/^/    /'
 say "done; venv $(du -sh "$VENV" 2>/dev/null | cut -f1). Activate it with: source $VENV/bin/activate"

