@@ -1,10 +1,16 @@
-"""Run the compiled-engine comparison of test_compile.py in a fresh process (one JSON file).
+"""Run engines under vLLM's default compilation (torch.compile with Inductor) in a fresh process.
 
-vLLM's compile path must not share the test process's state: after other
-in-process engines (e.g. the failing loads of test_bad_checkpoints.py) the
-compiled BF16 model's greedy output for one prompt was observed to change in
-the same process, so the three engines run here, in a new interpreter.
-Usage: python compile_worker.py OUT.json BF16_DIR
+vLLM's compile path must not share the test process's state (after other
+in-process engines a compiled model's output was once seen to change in the
+same process), so test_compile.py runs its engines here, one list per process.
+Each engine gets the fast CPU settings of zs_e2e.ENV, but not
+``VLLM_CPU_CI_ENV`` (which would pick dynamo's eager backend): the model is
+compiled as ``vllm serve`` compiles it. The compile cache lives under
+``VLLM_CACHE_ROOT`` (the caller's choice), so a second process can find it warm.
+
+Usage: python compile_worker.py SPEC.json OUT.json
+SPEC: {"runs": [{"name", "model", "mode", "quantization": bool, "score": "self" | [[token ids]...]}],
+       "aot_root": DIR}
 """
 
 from __future__ import annotations
@@ -16,25 +22,27 @@ import sys
 from zs_e2e import ENV
 
 os.environ.update(ENV)
-os.environ["VLLM_CPU_CI_ENV"] = "1"  # dynamo with the eager backend (vllm-plugin-notes section 3)
+os.environ.pop("VLLM_CPU_CI_ENV", None)
+
+
+def _aot_dirs(root: str) -> list[str]:
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
 
 
 def main() -> None:
-    import torch
-
     from zs_e2e import run_engine
 
-    out, bf16 = sys.argv[1], sys.argv[2]
+    spec = json.load(open(sys.argv[1]))
     runs: dict = {}
-    for name, mode, kw in (("base", "exact", {"score": "self"}), ("exact", "exact", {"quantization": "zipserv"}),
-                           ("fast", "fast", {"quantization": "zipserv"})):
-        if name == "fast":
-            kw["score"] = runs["base"]["score_seqs"]
-        os.environ["ZIPSERV_MODE"] = mode
-        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        runs[name] = run_engine(bf16, chat=False, enforce_eager=False, **kw)
-        runs[name]["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    with open(out, "w") as f:
+    for r in spec["runs"]:
+        os.environ["ZIPSERV_MODE"] = r["mode"]
+        kw = {"quantization": "zipserv"} if r.get("quantization") else {}
+        if r.get("score") is not None:
+            kw["score"] = r["score"]
+        before = _aot_dirs(spec["aot_root"])
+        runs[r["name"]] = run_engine(r["model"], chat=False, enforce_eager=False, **kw)
+        runs[r["name"]]["new_aot_dirs"] = sorted(set(_aot_dirs(spec["aot_root"])) - set(before))
+    with open(sys.argv[2], "w") as f:
         json.dump(runs, f)
 
 

@@ -18,27 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from zs_e2e import max_score_diff, mean_score_diff, run_engine
+from zs_e2e import MOE_FAST_MAX_TOL, MOE_FAST_MEAN_TOL, max_score_diff, mean_score_diff, run_engine
 
 HERE = Path(__file__).parent
-# Fast mode computes each routed expert with the fused CPU kernel: its GEMM outputs are rounded to
-# BF16 before the activation and the weighted sum (vLLM's expert kernel keeps them in fp32) and SiLU
-# uses the exact exp, so expert outputs differ by about one BF16 ulp (measured: 0.0024 at a magnitude
-# of 0.48). Routing amplifies that: a token near a tie between two experts may switch experts. On the
-# tiny Mixtral the teacher-forced logprobs differ little on average but a single switched token can
-# move far, and how far depends on the host's BF16 GEMM (the BF16 baseline's own rounding): measured
-# on an Intel Xeon (AVX-512, no AVX512_BF16), 185 scored tokens, mean |d| 0.0097 and max 0.212 eager,
-# mean 0.0113 and max 0.404 compiled (one routing switch; an AMD EPYC host had max 0.216). So two
-# bounds: the mean over the scored tokens (MOE_FAST_MEAN_TOL, ~2.7x the measured mean) and every
-# token (MOE_FAST_MAX_TOL, 1.5x the largest switch seen). The negative control (one 64x64 tile of one
-# expert's gate weights replaced) moved them by mean 0.164 and max 0.848: it must exceed 4x the mean
-# bound and the max bound.
-MOE_FAST_MEAN_TOL = 0.03
-MOE_FAST_MAX_TOL = 0.6
 
 
 def fast_within_bounds(run, base) -> bool:
     return mean_score_diff(run, base) <= MOE_FAST_MEAN_TOL and max_score_diff(run, base) <= MOE_FAST_MAX_TOL
+
+
 EXPERTS, LAYERS = 4, 2  # the zoo's tiny Mixtral (zipserv_vllm/testing/zoo.py): intermediate size 128, so each
 # TP=2 rank's expert slices (w13 128 x 64, w2 64 x 64) are whole tiles and still compress
 

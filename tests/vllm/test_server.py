@@ -3,8 +3,10 @@
 Two servers on 127.0.0.1 (free ports), started together with
 ``python -m zipserv_vllm.serve`` (the CPU wheel's ``vllm`` script is broken,
 vllm-plugin-notes pitfall 2): the stock BF16 checkpoint as is, and the same
-checkpoint with ``--quantization zipserv`` (packed at load). Both are queried
-with the ``openai`` client; every answer must be identical. The same holds for
+checkpoint with ``--quantization zipserv`` (packed at load), both started the
+way a user starts them: no ``--enforce-eager``, so vLLM compiles the model with
+Inductor. Both are queried with the ``openai`` client; every answer must be
+identical. The same holds for
 the embeddings endpoint of a sentence-transformers model and for a mixture of
 experts served from its zipserv checkpoint. Servers are stopped in teardown;
 every wait is bounded.
@@ -20,8 +22,9 @@ from zipserv_vllm import serve
 from zs_e2e import e2e_env
 
 READY_TIMEOUT = 240
-SERVER_ARGS = ("--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "128",
-               "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0")
+DEFAULT_ARGS = ("--served-model-name", "tiny", "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 << 20),
+                "--seed", "0")  # vLLM's default compilation (Inductor)
+SERVER_ARGS = (*DEFAULT_ARGS, "--enforce-eager")
 
 
 def _wait_ready(proc, port, logpath):
@@ -59,7 +62,7 @@ def servers(llama_dirs, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         with e2e_env():  # the servers start with the settings; the module's tests run without them
             urls = stack.enter_context(_servers({"base": (bf16, ()), "zipserv": (bf16, ("--quantization", "zipserv"))},
-                                                SERVER_ARGS, logs))
+                                                DEFAULT_ARGS, logs))
         yield urls, logs
 
 
@@ -102,6 +105,9 @@ def test_server_answers_equal_bf16_server(servers):
     assert zs["chat"] == base["chat"]
     log = (logs / "zipserv.log").read_text()
     assert "zipserv: 10 layers compressed (10 packed at load)" in log and "mode exact" in log
+    for name in ("base", "zipserv"):  # both compiled by Inductor, as vllm serve does by default
+        text = (logs / f"{name}.log").read_text()
+        assert "'backend': 'inductor'" in text and "enforce_eager=False" in text, name
 
 
 def test_embeddings_endpoint_equals_bf16(vllm_env, tmp_path):

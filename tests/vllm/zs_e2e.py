@@ -30,6 +30,21 @@ MAX_TOKENS = 12
 # 2.5 M weights altered) moved them by 1.88 nats, and must exceed 5x the bound.
 FAST_LOGPROB_TOL = 0.1
 
+# Fast mode computes each routed expert with the fused CPU kernel: its GEMM outputs are rounded to
+# BF16 before the activation and the weighted sum (vLLM's expert kernel keeps them in fp32) and SiLU
+# uses the exact exp, so expert outputs differ by about one BF16 ulp (measured: 0.0024 at a magnitude
+# of 0.48). Routing amplifies that: a token near a tie between two experts may switch experts. On the
+# tiny Mixtral the teacher-forced logprobs differ little on average but a single switched token can
+# move far, and how far depends on the host's BF16 GEMM (the BF16 baseline's own rounding): measured
+# on an Intel Xeon (AVX-512, no AVX512_BF16), 185 scored tokens, mean |d| 0.0097 and max 0.212 eager,
+# mean 0.0113 and max 0.404 compiled (one routing switch; an AMD EPYC host had max 0.216). So two
+# bounds: the mean over the scored tokens (MOE_FAST_MEAN_TOL, ~2.7x the measured mean) and every
+# token (MOE_FAST_MAX_TOL, 1.5x the largest switch seen). The negative control (one 64x64 tile of one
+# expert's gate weights replaced) moved them by mean 0.164 and max 0.848: it must exceed 4x the mean
+# bound and the max bound.
+MOE_FAST_MEAN_TOL = 0.03
+MOE_FAST_MAX_TOL = 0.6
+
 
 def score_diffs(run, base) -> list[float]:
     """|teacher-forced logprob difference| of every token two runs scored (the same sequences)."""
@@ -75,6 +90,12 @@ def _score(llm, seqs: list[list[int]]) -> list[list[float]]:
     return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
 
 
+def _compilation(llm) -> dict:
+    """How the engine's model was compiled: vLLM's compilation mode and torch.compile backend."""
+    cc = llm.llm_engine.vllm_config.compilation_config
+    return {"mode": getattr(cc.mode, "name", str(cc.mode)), "backend": str(cc.backend)}
+
+
 def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
     """Start one engine, run the greedy batch (+ one chat), measure its weights, stop it.
 
@@ -93,6 +114,7 @@ def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
             "logprobs": [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
             "text": [o.outputs[0].text for o in outs],
             "memory": llm.apply_model(weight_memory)[0],
+            "compilation": _compilation(llm),
         }
         if score is not None:
             seqs = ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
