@@ -1,7 +1,8 @@
 """Serving throughput: vLLM's own serving benchmark client against a BF16 server and a zipserv server.
 
 Both servers are vLLM's OpenAI-compatible server (``python -m zipserv_vllm.serve``,
-CPU backend, the same options), started together on 127.0.0.1 and loaded for the
+CPU backend, the same options, compiled the default way: Inductor, unless
+``--eager``), started together on 127.0.0.1 and loaded for the
 whole run: one serves the BF16 checkpoint, the other the zipserv checkpoint of the
 same model (fast mode unless ``--mode exact``). The client is vLLM's
 ``vllm.benchmarks.serve`` (random dataset, ``--num-prompts`` prompts of
@@ -64,6 +65,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--eager", action="store_true",
+                    help="start both servers with --enforce-eager (default: vLLM's default compilation, Inductor)")
     ap.add_argument("--workdir", default="/tmp/zipserv-bench-memory")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_serve.json"))
     args = ap.parse_args()
@@ -72,7 +75,8 @@ def main() -> int:
     from zipserv_vllm.kernels import cpu_dispatch
 
     bf16, zs, info = _prepare(args.size, Path(args.workdir))
-    server_args = ("--served-model-name", "m", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "256",
+    server_args = ("--served-model-name", "m", *(("--enforce-eager",) if args.eager else ()),
+                   "--no-enable-prefix-caching", "--max-model-len", "256",
                    "--max-num-seqs", str(args.concurrency), "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0")
     logs = Path(args.workdir) / "serve-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -110,6 +114,7 @@ def main() -> int:
     print(f"zipserv / bf16: output tokens/s {ratio['output_throughput']:.2f}x, TTFT {ratio['mean_ttft']:.2f}x, "
           f"TPOT {ratio['mean_tpot']:.2f}x")
     out = dict(benchmark="bench_serve", host=cpu_dispatch.cpu_identity(), size=args.size, mode=args.mode,
+               compilation="eager (--enforce-eager)" if args.eager else "vLLM default (Inductor)",
                settings={k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len", "rounds")},
                server_args=list(server_args), model=info, rounds=results, medians=med, ratios=ratio)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """vLLM CPU decode speed: zipserv fast mode, zipserv exact mode and BF16, side by side.
 
 Each variant runs in a fresh subprocess (one real vLLM engine, CPU backend,
-in-process engine core, eager). The model is the Llama-shaped ~1.1 B model of
+in-process engine core, compiled the default way: Inductor; ``--eager`` for
+``enforce_eager``). The model is the Llama-shaped ~1.1 B model of
 ``bench_memory.py`` (hidden 2048, 16 layers, intermediate 8192, vocab 32000,
 N(0, 0.02^2) weights), built with the shared tiny-model builder and compressed
 once with the checkpoint module; the compressed variants load the
@@ -61,13 +62,14 @@ def _summary(b: int, short: int, long: int, ts: list, tl: list, toks) -> dict:
 
 
 def _engine(model: str, max_seqs: int):
-    """One real vLLM engine (in-process engine core, eager) on ``model``, and its start time."""
+    """One real vLLM engine (in-process engine core) on ``model``, and its start time: compiled the
+    default way (Inductor), or eager where the parent was given ``--eager`` (``BENCH_EAGER=1``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=os.environ.get("BENCH_EAGER") == "1", max_model_len=256, kv_cache_memory_bytes=256 << 20,
               seed=0, disable_log_stats=True, max_num_seqs=max_seqs)
     return llm, round(time.perf_counter() - t0, 2)
 
@@ -221,9 +223,13 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="keep every variant's engine loaded (one process each) and alternate them repetition by "
                          "repetition: the fairest comparison on a noisy host (needs memory for all models at once)")
+    ap.add_argument("--eager", action="store_true",
+                    help="engines with enforce_eager (default: vLLM's default compilation, Inductor)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.eager:
+        os.environ["BENCH_EAGER"] = "1"  # the child processes read it
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.rounds < 1 or args.reps < 1:
         print("error: --rounds and --reps must be >= 1", file=sys.stderr)
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
                "model": {"size": args.size, "config": SIZES[args.size], **info},
                "settings": {"batches": batches, "short": args.short, "long": args.long, "reps": args.reps,
                             "exact_reps": args.exact_reps, "rounds": args.rounds, "interleave": args.interleave,
-                            "enforce_eager": True, "greedy": True, "ignore_eos": True},
+                            "enforce_eager": bool(args.eager), "greedy": True, "ignore_eos": True},
                "runs": {}}
     try:
         import vllm.version as vv
