@@ -228,8 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.eager:
-        os.environ["BENCH_EAGER"] = "1"  # the child processes read it
+    os.environ["BENCH_EAGER"] = "1" if args.eager else "0"  # the child processes read it
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.rounds < 1 or args.reps < 1:
         print("error: --rounds and --reps must be >= 1", file=sys.stderr)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +42,15 @@ def fetch(version: str) -> Path:
         if (folder / f"vllm-{version}.dist-info").is_dir() and (folder / "vllm").is_dir():
             return folder
     print(f"fetching vLLM {version}'s Python package into {folder.relative_to(ROOT)} (no dependencies)", flush=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder),
-                        f"vllm=={version}"], capture_output=True, text=True)
-    if r.returncode != 0 or not (folder / "vllm").is_dir():
-        last = [line for line in (r.stderr or r.stdout).splitlines() if line.strip()]
-        raise SystemExit(f"check_vllm_release: could not fetch vllm=={version}: "
-                         f"{last[-1] if last else 'pip exit ' + str(r.returncode)}")
+    shutil.rmtree(folder, ignore_errors=True)  # a fetch cut short leaves a partial package pip would keep
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--target", str(folder), f"vllm=={version}"], capture_output=True, text=True)
+    if r.returncode != 0 or not (folder / f"vllm-{version}.dist-info").is_dir():
+        lines = [line for line in (r.stderr + r.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR:")]
+        why = (errors or lines or [f"pip exit status {r.returncode}"])[-1]
+        shutil.rmtree(folder, ignore_errors=True)
+        raise SystemExit(f"check_vllm_release: could not fetch vllm=={version}: {why}")
     return folder
 
 
@@ -78,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     env = release_env(folder)
-    problems = compat_problems(env)
-    for line in problems:
-        print(f"compat: {line}")
-    r = run_suite(env)
+    try:
+        problems = compat_problems(env)
+        for line in problems:
+            print(f"compat: {line}")
+        r = run_suite(env)
+    except subprocess.TimeoutExpired as exc:
+        print(f"check_vllm_release: {' '.join(map(str, exc.cmd[-2:]))} did not finish within {exc.timeout:.0f} s",
+              file=sys.stderr)
+        return 1
     out = r.stdout + r.stderr
     header = next((line for line in out.splitlines() if line.startswith("conformance: vLLM")), "")
     summary = next((line for line in reversed(out.splitlines()) if " passed" in line or " failed" in line
@@ -92,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"conformance suite: {summary.strip('= ')}")
     if r.returncode != 0 and not failures(out):
         print(out[-3000:])
-    ok = r.returncode == 0 and not problems and f"conformance: vLLM {args.version}" in out
+    ok = (r.returncode == 0 and not problems and f"conformance: vLLM {args.version}" in out
+          and " passed" in summary)  # a suite that only skipped proves nothing
     print(f"vLLM {args.version}: {'everything zipserv-vllm checks passed' if ok else 'something broke (above)'}")
     return 0 if ok else 1
 

@@ -10,7 +10,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 # Files whose tests are slow as a whole; in tests/vllm every file but the two that start no engine.
-SLOW_FILES = {"test_docs.py", "test_sanitized.py", "test_faults.py", "test_cuda_build.py"}
+SLOW_FILES = {"test_docs.py", "test_sanitized.py", "test_faults.py", "test_cuda_build.py", "test_conformance.py"}
 FAST_VLLM_FILES = {"test_arena.py", "test_traceable.py", "test_config.py"}
 
 

@@ -58,7 +58,7 @@ def test_conformance(release):
 
 def _check_release(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_vllm_release.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=2000)
 
 
 def test_conformance_034_through_check_vllm_release():
@@ -79,3 +79,15 @@ def test_check_vllm_release_refuses_a_bad_version_in_one_line():
     r = _check_release("latest")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == "check_vllm_release: 'latest' is not a release number (e.g. 0.35.0)"
+
+
+def test_check_vllm_release_says_in_one_line_when_the_release_cannot_be_fetched(monkeypatch):
+    """pip offline (PIP_NO_INDEX): exit status 2, one line naming the release and pip's error, nothing
+    left behind."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    r = _check_release("0.31.99")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("check_vllm_release: could not fetch vllm==0.31.99: ") and "\n" not in err, err
+    assert "Traceback" not in r.stdout + r.stderr
+    assert not (ROOT / ".vllm-release" / "0.31.99").exists()

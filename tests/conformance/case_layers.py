@@ -182,3 +182,7 @@ def test_partly_loaded_merged_layer_is_refused(vllm_cpu, way):
             _process(layer)
     msg = str(info.value)
     assert msg.startswith("zipserv: ") and "\n" not in msg and "m.gate_up_proj" in msg, msg
+    if way == "pack":  # the shard check's own line, naming the shard that never came
+        assert "was never loaded, so layer m.gate_up_proj is only partly filled" in msg and "shard 1" in msg, msg
+    else:
+        assert "is missing" in msg and "shard 1" in msg, msg

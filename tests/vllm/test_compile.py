@@ -11,10 +11,15 @@ embeddings, q/k/v biases, a 700-wide MLP) and a mixture of experts
 its bound.
 
 The compile cache: vLLM keeps compiled graphs on disk under a key of its
-config and the traced source files. Process A (cold cache) runs every engine
-above, two of each model in one process; process B then finds the cache warm:
-the same configurations must reuse it and give the same bits, and the MoE model
-in fast mode (only ``ZIPSERV_MODE`` differs) must not reuse the exact-mode graph.
+config and the traced source files. Process A (cold cache) runs the six engines
+above, three of each model in one process; process B then finds the cache warm:
+the same configurations must find their own entries and give the same bits, and
+both models in fast mode (only ``ZIPSERV_MODE`` differs) must get entries of
+their own. What is tested is the key: on vLLM 0.32 with torch 2.13, loading a
+saved graph fails for every model, BF16 included ("'function' object has no
+attribute 'finalize_loading'"), and vLLM compiles again, so no saved graph is
+replayed here (test_config.py checks the by-name MoE lookup that a replayed
+graph relies on).
 """
 
 from __future__ import annotations
@@ -97,10 +102,10 @@ def test_exact_mode_compiled_identical_to_bf16_compiled(compiled, model):
     assert layers > 0 and a[f"{model}_pack"]["memory"]["layers_compressed"] == layers
 
 
-def test_warm_compile_cache_is_reused_and_keyed_by_mode(compiled):
+def test_compile_cache_keyed_by_configuration(compiled):
     """Each configuration of process A compiled into its own cache entry; in process B the same
     configurations found theirs (no new entry), and fast mode (another ZIPSERV_MODE, nothing else)
-    did not take the exact-mode graph."""
+    got a new one rather than the exact-mode entry."""
     a, b = compiled
     assert all(len(r["new_aot_dirs"]) == 1 for r in a.values()), {k: r["new_aot_dirs"] for k, r in a.items()}
     assert len({r["new_aot_dirs"][0] for r in a.values()}) == len(a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -96,6 +97,8 @@ def test_compile_cache_factors(monkeypatch):
 
     from zipserv_vllm.vllm_plugin.config import ZipServConfig
 
+    for k in [k for k in os.environ if k.startswith("ZIPSERV_")]:
+        monkeypatch.delenv(k)
     monkeypatch.setenv("ZIPSERV_MODE", "exact")
     monkeypatch.setenv("ZIPSERV_ERROR_FILE", "/tmp/zipserv-errors-xyz.txt")
     monkeypatch.setenv("ZIPSERV_CPU_LAYOUT", "v1")
@@ -163,3 +166,45 @@ def test_checkpoint_settings_that_do_not_exist(monkeypatch):
         with pytest.raises(ValueError) as exc:
             ZipServConfig.from_config({"quant_method": "zipserv", "format_version": 1, key: value})
         assert str(exc.value) == line
+
+
+def test_moe_layers_found_by_name_in_their_own_engine():
+    """zipserv::moe_experts finds its layer by name in the running forward pass's no_compile_layers:
+    two engines' layers of the same name (two configs, as two engines in one process) each run their
+    own; outside a forward pass the name must be unambiguous among the live layers."""
+    import gc
+
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from zipserv_vllm.vllm_plugin import moe
+
+    class Method:  # the two things the op uses of a ZipServMoEMethod
+        zs_prefix = "model.layers.0.mlp.experts"
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def compute(self, layer, x, topk_weights, topk_ids):
+            return x + self.tag
+
+    layers, configs = [], []
+    for tag in (1.0, 2.0):
+        vc, layer = VllmConfig(), torch.nn.Linear(1, 1)
+        with set_current_vllm_config(vc):
+            moe._register(layer, Method(tag))
+        layers.append(layer)
+        configs.append(vc)
+    x, w, ids = torch.zeros(2, 4), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    name = moe._op_name(Method.zs_prefix)
+    for vc, tag in zip(configs, (1.0, 2.0)):
+        with set_forward_context(None, vc):
+            assert torch.equal(torch.ops.zipserv.moe_experts(x, w, ids, name), x + tag)
+    with pytest.raises(RuntimeError, match="2 models in this process have a compressed MoE layer named"):
+        torch.ops.zipserv.moe_experts(x, w, ids, name)
+    del layers[0]
+    gc.collect()
+    assert torch.equal(torch.ops.zipserv.moe_experts(x, w, ids, name), x + 2.0)  # the only live one
+    with set_forward_context(None, configs[0]), pytest.raises(RuntimeError, match="after its model was freed"):
+        torch.ops.zipserv.moe_experts(x, w, ids, name)

@@ -114,7 +114,7 @@ class ZipServConfig(QuantizationConfig):
     def __getstate__(self):
         d = dict(self.__dict__)
         for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain", "_moe_pending",
-                  "_engine_config"):
+                  "_engine_extra"):
             d.pop(k, None)
         return d
 
@@ -226,10 +226,16 @@ class ZipServConfig(QuantizationConfig):
         config's own factors): a warm cache made with another mode, other settings or other layers
         compressed is then never reused. Called while vLLM builds the model (where its config is current)
         and again when loading is over."""
-        if "_engine_config" not in self.__dict__:
+        if self.__dict__.get("_engine_extra") is None:
             get = compat.find("get_current_vllm_config_or_none", required=False)
-            self._engine_config = get() if get is not None else None
-        extra = getattr(self._engine_config, "additional_config", None)
+            vc = get() if get is not None else None
+            if vc is None:
+                return  # no engine being built (a layer made outside one): no compile cache to key
+            # the dict only: holding the engine's config would keep its layers alive through this config
+            self._engine_extra = getattr(vc, "additional_config", None)
+        elif not self._finished:
+            return  # keyed once while the model is built, once more when loading is over
+        extra = self._engine_extra
         if isinstance(extra, dict):
             extra["zipserv"] = self.compile_factors()
         elif extra is not None and not getattr(self, "_warned_extra", False):

@@ -54,16 +54,18 @@ def _is_plain_linear(fn) -> bool:
 
 def note_shape(rows: int, cols: int) -> bool:
     """Which GEMM vLLM's unquantized layer runs for a ``[rows, cols]`` BF16 weight on this host
-    (True: plain F.linear), found once per shape by running vLLM's dispatcher on a zero weight
-    (the choice depends on the shape, the dtype and the CPU, never on the values)."""
+    (True: plain F.linear), found once per shape by running vLLM's dispatcher on a weight of that
+    shape (the choice depends on the shape, the dtype and the CPU, never on the values)."""
     from . import compat
 
     key = (int(rows), int(cols))
     if key not in _PLAIN_LINEAR:
         if not compat.find("current_platform").is_cpu():
-            _PLAIN_LINEAR[key] = False
+            # vLLM's GPU layers call the function dispatch_unquantized_gemm() returns, for every shape
+            # (plain F.linear on CUDA; not run here: no GPU)
+            _PLAIN_LINEAR[key] = _is_plain_linear(compat.find("dispatch_unquantized_gemm")())
         else:
-            holder = _GemmHolder(torch.zeros(key, dtype=torch.bfloat16), None)
+            holder = _GemmHolder(torch.empty(key, dtype=torch.bfloat16), None)
             compat.find("dispatch_cpu_unquantized_gemm")(holder, remove_weight=False)
             _PLAIN_LINEAR[key] = _is_plain_linear(holder.cpu_linear)
     return _PLAIN_LINEAR[key]

@@ -174,6 +174,7 @@ class _ZipServMethodBase:
                 and w.numel() == st.rows * st.cols and st.parts:
             # vLLM's layer-wise reload materialised this pack-at-load layer's BF16 weight and
             # loaded the new values into it: encode them, and give the layer its placeholder back.
+            loading.check_shards_arrived(st)  # a reload of some shards only would leave rows unset
             loading.reencode(st, w.data)
             self._placeholder(layer, st, w)
             return
@@ -186,8 +187,10 @@ class _ZipServMethodBase:
             self.config.execute_plan()  # loads every recorded layer at once
         if st.bf16 and not getattr(layer, "_zs_unq_done", False):
             self._bf16_process(layer)
-        if self.config.mode == "exact" and not st.bf16:
-            note_shape(st.rows, st.cols)  # how vLLM's BF16 layer of this shape would compute (traced GEMM)
+        if self.config.mode == "exact" and not st.bf16 and self.kind == "linear":
+            # how vLLM's BF16 layer of this shape computes, for the traced GEMM (an embedding's table only
+            # meets a GEMM as the lm_head, in vLLM's logits step, which is not compiled)
+            note_shape(st.rows, st.cols)
         if st.done:
             return
         w = layer.weight

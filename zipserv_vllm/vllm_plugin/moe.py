@@ -55,7 +55,7 @@ from .log import logger
 UnquantizedFusedMoEMethod = compat.find("UnquantizedFusedMoEMethod")
 set_weight_attrs = compat.find("set_weight_attrs")
 
-_LAYERS: dict[str, "_Entry"] = {}  # op name -> the layer and its method, outside a forward pass (last built)
+_LAYERS: dict[str, list["_Entry"]] = {}  # op name -> the live layers of that name (outside a forward pass)
 _MOE = "_zs_moe_states"
 _RECORDS, _ARRIVED, _GLOBAL = "_zs_moe_records", "_zs_moe_arrived", "_zs_moe_global"
 _RELOADED = "_zs_moe_reloaded"  # (local expert, shard) loaded by vLLM's layer-wise reload
@@ -83,7 +83,7 @@ class _Entry:
 def _register(layer, method) -> None:
     """Make the layer findable by its name: in the engine's ``static_forward_context`` (which vLLM hands
     to every forward pass as ``no_compile_layers``, as attention finds its layer), and in a per-process
-    table for calls outside an engine's forward pass."""
+    table for a traced call outside any forward pass (where the name must then be unambiguous)."""
     name = _op_name(method.zs_prefix)
     entry = _Entry(layer, method)
     get = compat.find("get_current_vllm_config_or_none", required=False)
@@ -91,25 +91,32 @@ def _register(layer, method) -> None:
     ctx = getattr(getattr(vc, "compilation_config", None), "static_forward_context", None)
     if isinstance(ctx, dict):
         ctx[name] = entry
-    _LAYERS[name] = entry
+    _LAYERS.setdefault(name, []).append(entry)
     weakref.finalize(layer, _forget, name, entry)  # the method (and its arenas) go with the model
 
 
 def _forget(name: str, entry: _Entry) -> None:
-    if _LAYERS.get(name) is entry:
-        del _LAYERS[name]
+    entries = _LAYERS.get(name, [])
+    if entry in entries:
+        entries.remove(entry)
+    if not entries:
+        _LAYERS.pop(name, None)
 
 
 def _lookup(name: str) -> _Entry:
+    """The layer named ``name``: the running forward pass's, else the only live one in this process."""
     avail = compat.find("is_forward_context_available", required=False)
     if avail is not None and avail():
         entry = compat.find("get_forward_context")().no_compile_layers.get(name)
         if entry is not None:
             return entry
-    entry = _LAYERS.get(name)
-    if entry is None:
-        raise RuntimeError(f"zipserv: no compressed MoE layer named {name!r} in this engine")
-    return entry
+    live = [e for e in _LAYERS.get(name, []) if e.layer_ref() is not None]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        raise RuntimeError(f"zipserv: no compressed MoE layer named {name!r} in this process")
+    raise RuntimeError(f"zipserv: {len(live)} models in this process have a compressed MoE layer named {name!r}; "
+                       "outside a vLLM forward pass the traced op cannot tell which one to run")
 
 
 @torch.library.custom_op("zipserv::moe_experts", mutates_args=())
@@ -512,6 +519,8 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if not moe_states(layer):
             return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        if not torch.compiler.is_compiling():  # eager: this layer, directly (no op dispatch, no lookup)
+            return self.compute(layer, x, topk_weights, topk_ids)
         return torch.ops.zipserv.moe_experts(x, topk_weights, topk_ids, _op_name(self.zs_prefix))
 
     def compute(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
