@@ -9,7 +9,8 @@ compiled as ``vllm serve`` compiles it. The compile cache lives under
 ``VLLM_CACHE_ROOT`` (the caller's choice), so a second process can find it warm.
 
 Usage: python compile_worker.py SPEC.json OUT.json
-SPEC: {"runs": [{"name", "model", "mode", "quantization": bool, "score": "self" | [[token ids]...]}],
+SPEC: {"runs": [{"name", "model", "mode", "quantization": bool,
+                 "score": "self" | NAME of an earlier run (score its sequences) | [[token ids]...]}],
        "aot_root": DIR}
 """
 
@@ -37,8 +38,9 @@ def main() -> None:
     for r in spec["runs"]:
         os.environ["ZIPSERV_MODE"] = r["mode"]
         kw = {"quantization": "zipserv"} if r.get("quantization") else {}
-        if r.get("score") is not None:
-            kw["score"] = r["score"]
+        score = r.get("score")
+        if score is not None:
+            kw["score"] = runs[score]["score_seqs"] if isinstance(score, str) and score != "self" else score
         before = _aot_dirs(spec["aot_root"])
         runs[r["name"]] = run_engine(r["model"], chat=False, enforce_eager=False, **kw)
         runs[r["name"]]["new_aot_dirs"] = sorted(set(_aot_dirs(spec["aot_root"])) - set(before))
