@@ -105,6 +105,13 @@ def find(what: str, required: bool = True):
     return obj
 
 
+def current_vllm_config():
+    """The config of the engine vLLM is building a model for, or None outside one (or on a vLLM
+    without ``get_current_vllm_config_or_none``)."""
+    get = find("get_current_vllm_config_or_none", required=False)
+    return get() if get is not None else None
+
+
 def _missing_line(need: Need) -> str:
     from .version import tested_text, vllm_version
 

@@ -227,8 +227,7 @@ class ZipServConfig(QuantizationConfig):
         compressed is then never reused. Called while vLLM builds the model (where its config is current)
         and again when loading is over."""
         if self.__dict__.get("_engine_extra") is None:
-            get = compat.find("get_current_vllm_config_or_none", required=False)
-            vc = get() if get is not None else None
+            vc = compat.current_vllm_config()
             if vc is None:
                 return  # no engine being built (a layer made outside one): no compile cache to key
             # the dict only: holding the engine's config would keep its layers alive through this config

@@ -86,9 +86,7 @@ def _register(layer, method) -> None:
     table for a traced call outside any forward pass (where the name must then be unambiguous)."""
     name = _op_name(method.zs_prefix)
     entry = _Entry(layer, method)
-    get = compat.find("get_current_vllm_config_or_none", required=False)
-    vc = get() if get is not None else None
-    ctx = getattr(getattr(vc, "compilation_config", None), "static_forward_context", None)
+    ctx = getattr(getattr(compat.current_vllm_config(), "compilation_config", None), "static_forward_context", None)
     if isinstance(ctx, dict):
         ctx[name] = entry
     _LAYERS.setdefault(name, []).append(entry)
