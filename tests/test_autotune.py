@@ -78,3 +78,30 @@ def test_injected_timings_file(tmp_path):
     fn = autotune.injected_time_fn(f)
     assert fn(Plan("decoupled"), 4, 256, 688) == 2.0 and fn("bf16", 4, 256, 688) == 1.0
     assert fn(Plan("fused", 8, 2), 1, 512, 256) == 0.5
+
+
+def test_cache_written_by_two_engines_at_once(tmp_path):
+    """Two engines starting together on one machine both save their measurements: each write is
+    whole and its own (a shared temporary name let one rename the other's file away mid-write)."""
+    import threading
+
+    fn, _ = _fake({(64, 64): {"bf16": 1.0, "decoupled": 0.1}})
+    t = autotune.tune([(64, 64)], 4, fn)
+    p = tmp_path / "dispatch" / "x.json"
+    errors = []
+
+    def save():
+        try:
+            for _ in range(300):
+                autotune.save_cached(p, t)
+        except Exception as exc:  # noqa: BLE001 - what the test looks for
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=save) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert autotune.load_cached(p).rules() == t.rules()
+    assert [x.name for x in p.parent.iterdir()] == ["x.json"]  # no temporary file left behind

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -268,6 +269,13 @@ def load_cached(path: Path) -> Tuning | None:
 
 def save_cached(path: Path, tuning: Tuning) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(tuning.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
+    # A name of this process's own: two engines starting at once on one machine each write a whole
+    # file and the last rename wins (a shared ".tmp" let one rename the other's half-written file).
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(tuning.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
