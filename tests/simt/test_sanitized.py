@@ -1,9 +1,10 @@
 """The kernels' sources under AddressSanitizer and ThreadSanitizer, in the SIMT harness.
 
-The same cases as the plain build (tests/simt/corpus.py, coverage_cases: every
-fused instance, split-K, ragged shapes, all 65,536 patterns through every
-kernel, non-canonical layouts, the encoder), in a child process with the
-sanitizer runtime preloaded:
+One case of everything (tests/simt/corpus.py, coverage_cases: every fused
+instance, split-K, ragged shapes, all 65,536 patterns through every kernel,
+non-canonical layouts, the encoder; under TSan with fewer embedding ids and
+one-hot columns, ``race_only``), in a child process with the sanitizer runtime
+preloaded:
 
 * ASan: every global and shared access of every thread is checked against its
   allocation (each __shared__ object and the dynamic area are separate heap
@@ -16,7 +17,8 @@ sanitizer runtime preloaded:
 Both must run clean and give the reference results. Then a weight whose
 offsets point past its stream: what kernels/cuda.py's validate_weight stops
 before any launch, the harness under ASan catches at the cp.async. Budget:
-~40 s per sanitizer build (cold; cached in ZIPSERV_CACHE) + ~1 min of runs.
+~40 s per sanitizer build (cold; cached in ZIPSERV_CACHE) + ~20 s (ASan) and ~2 min (TSan, two
+schedules, corpus.coverage_cases(race_only=True)) of runs.
 """
 
 import numpy as np
@@ -28,16 +30,11 @@ from .corpus import coverage_cases, gemm_case
 pytestmark = pytest.mark.skipif(harness.module() is None, reason=harness.MISSING)
 
 
-@pytest.fixture(scope="module")
-def coverage_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("simt") / "cases.npz"
-    cases.save(path, coverage_cases())
-    return path
-
-
 @pytest.mark.parametrize("variant,schedules", [("asan", ["forward"]), ("tsan", ["forward", "reverse"])])
-def test_kernels_run_clean_under_sanitizer(variant, schedules, coverage_file):
-    r = harness.run_child(harness.build(variant), variant, {"cases": str(coverage_file), "schedules": schedules})
+def test_kernels_run_clean_under_sanitizer(variant, schedules, tmp_path):
+    path = tmp_path / "cases.npz"
+    cases.save(path, coverage_cases(race_only=variant == "tsan"))
+    r = harness.run_child(harness.build(variant), variant, {"cases": str(path), "schedules": schedules})
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     assert "0 failed" in r.stdout
 
