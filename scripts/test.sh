@@ -4,4 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest -q -rs --durations=30 tests "$@"
+# Two workers (pytest-xdist), each taking whole files, the longest first (tests/conftest.py,
+# LONG_FIRST): most tests wait on one process at a time (vLLM start-up is mostly single-threaded
+# imports), so two at once use both cores. ZIPSERV_TEST_WORKERS=0 runs everything in this process.
+WORKERS=${ZIPSERV_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then
+  exec .venv/bin/python -m pytest -q -rs --durations=30 tests "$@"
+fi
+exec .venv/bin/python -m pytest -q -rs --durations=30 -n "$WORKERS" --dist loadfile --no-loadscope-reorder tests "$@"
