@@ -12,7 +12,9 @@ its bound.
 
 The compile cache: vLLM keeps compiled graphs on disk under a key of its
 config and the traced source files. Process A (cold cache) runs the six engines
-above, three of each model in one process; process B then finds the cache warm:
+above, three of each model in one process, and a Mixtral-style model's BF16,
+exact and fast engines, both packed at load (one process for every compiled
+engine: Inductor's in-process caches make each engine after the first cheaper); process B then finds the cache warm:
 the same configurations must find their own entries and give the same bits, and
 both models in fast mode (only ``ZIPSERV_MODE`` differs) must get entries of
 their own. What is tested is the key: on vLLM 0.32 with torch 2.13, loading a
@@ -61,6 +63,7 @@ def compiled(qwen2_dirs, tmp_path_factory):
     moe = build_zoo_model(root / "moe-bf16", "qwen3-moe")
     moe_zs = str(compress_checkpoint(moe, root / "moe-zs", progress=False).dst)
     moe = str(moe)
+    mixtral = str(build_zoo_model(root / "mixtral-bf16", "mixtral"))
     cache = root / "vllm-cache"
     aot_root = cache / "torch_compile_cache" / "torch_aot_compile"
     a = _worker([
@@ -70,6 +73,9 @@ def compiled(qwen2_dirs, tmp_path_factory):
         {"name": "moe_base", "model": moe, "mode": "exact", "score": "self"},
         {"name": "moe_exact", "model": moe_zs, "mode": "exact"},
         {"name": "moe_pack", "model": moe, "mode": "exact", "quantization": True},
+        {"name": "mixtral_base", "model": mixtral, "mode": "exact", "score": "self"},
+        {"name": "mixtral_pack", "model": mixtral, "mode": "exact", "quantization": True},
+        {"name": "mixtral_fast", "model": mixtral, "mode": "fast", "quantization": True, "score": "mixtral_base"},
     ], cache, root / "a.json", aot_root)
     b = _worker([
         {"name": "moe_exact", "model": moe_zs, "mode": "exact"},
@@ -111,6 +117,20 @@ def test_compile_cache_keyed_by_configuration(compiled):
     assert len({r["new_aot_dirs"][0] for r in a.values()}) == len(a)
     assert b["moe_exact"]["new_aot_dirs"] == [] and b["dense_exact"]["new_aot_dirs"] == []
     assert len(b["moe_fast"]["new_aot_dirs"]) == 1 and len(b["dense_fast"]["new_aot_dirs"]) == 1
+
+
+def test_mixtral_packed_at_load_compiled(compiled):
+    """The Mixtral-style model (the zoo's: 4 experts, 2 layers) packed at load under Inductor: the MoE
+    layers were traced (fullgraph), exact mode equals compiled BF16 bit for bit, fast mode stays within
+    the MoE bounds, and every expert's w13 and w2 is held compressed."""
+    a, _ = compiled
+    base, exact, fast = a["mixtral_base"], a["mixtral_pack"], a["mixtral_fast"]
+    for run in (exact, fast):
+        experts = [k for k in run["memory"]["parts"] if ".block_sparse_moe.experts." in k]
+        assert len(experts) == 2 * 4 * 2, experts  # w13 and w2 of 4 experts in 2 layers
+    _same(exact, base)
+    assert mean_score_diff(fast, base) <= MOE_FAST_MEAN_TOL, mean_score_diff(fast, base)
+    assert max_score_diff(fast, base) <= MOE_FAST_MAX_TOL, max_score_diff(fast, base)
 
 
 def test_fast_mode_compiled_within_bound(compiled):
