@@ -34,8 +34,13 @@ def run_suite(env_extra: dict, python: str = sys.executable) -> subprocess.Compl
 
 
 def release_env(folder: Path) -> dict:
-    """The environment that puts the vLLM Python package in ``folder`` in front of the venv's."""
-    return {"PYTHONPATH": str(folder), "VLLM_TARGET_DEVICE": "cpu"}
+    """The environment that puts the vLLM Python package in ``folder`` in front of the venv's.
+
+    With a cache root of its own beside the package: vLLM caches each model class's inspection
+    (``modelinfos/<module>-<class>.json``, keyed by the model file's hash, one file per class), so
+    two releases sharing ~/.cache/vllm overwrite each other's entries and every engine start after
+    the other release ran inspects the class again in a subprocess (~12 s per architecture here)."""
+    return {"PYTHONPATH": str(folder), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(folder / ".vllm-cache")}
 
 
 def _release_folder(release: str) -> Path:
