@@ -181,7 +181,9 @@ def test_moe_layers_found_by_name_in_their_own_engine():
     from zipserv_vllm.vllm_plugin import moe
 
     class Method:  # the two things the op uses of a ZipServMoEMethod
-        zs_prefix = "model.layers.0.mlp.experts"
+        # a name no real model in this process has: earlier tests in the same pytest worker may still hold
+        # engines whose layers are named model.layers.N.mlp.experts
+        zs_prefix = "test_config.two_engines.mlp.experts"
 
         def __init__(self, tag):
             self.tag = tag
