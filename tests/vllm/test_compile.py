@@ -37,12 +37,15 @@ import pytest
 from zs_e2e import FAST_LOGPROB_TOL, MOE_FAST_MAX_TOL, MOE_FAST_MEAN_TOL, e2e_environ, max_score_diff, mean_score_diff
 
 HERE = Path(__file__).parent
+THREADS = min(2, os.cpu_count() or 1)
 
 
 def _worker(runs: list, cache: Path, out: Path, aot_root: Path) -> dict:
     spec = out.with_suffix(".spec.json")
     spec.write_text(json.dumps({"runs": runs, "aot_root": str(aot_root)}))
-    env = dict(e2e_environ(), VLLM_CACHE_ROOT=str(cache),
+    # two OpenMP threads (scripts/test.sh gives each pytest worker one): the codec inside a compiled
+    # engine must run on all of torch's threads
+    env = dict(e2e_environ(), VLLM_CACHE_ROOT=str(cache), OMP_NUM_THREADS=str(THREADS),
                PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     proc = subprocess.run([sys.executable, str(HERE / "compile_worker.py"), str(spec), str(out)], env=env,
@@ -96,6 +99,10 @@ def test_compiled_by_inductor(compiled):
     for run in (*a.values(), *b.values()):
         assert run["compilation"]["backend"] == "inductor", run["compilation"]
         assert run["compilation"]["mode"] != "NONE", run["compilation"]
+        # the codec (decode, tile checks, pack at load) runs on all of torch's OpenMP threads in the
+        # engine, not on the one core an affinity mask or a pinned worker thread would suggest
+        th = run["memory"]["codec_threads"]
+        assert th["default"] == th["torch"] == th["used"] == THREADS, th
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
