@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zs_e2e import MOE_FAST_MAX_TOL, MOE_FAST_MEAN_TOL, max_score_diff, mean_score_diff, run_engine
+from zs_e2e import MOE_FAST_MAX_TOL, MOE_FAST_MEAN_TOL, e2e_env, max_score_diff, mean_score_diff, run_engine
 
 HERE = Path(__file__).parent
 
@@ -69,10 +69,27 @@ def test_checkpoint_stores_the_experts_compressed(moe_dirs):
         assert f"model.layers.{i}.block_sparse_moe.gate.weight" in names  # the router stays BF16
 
 
-def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def tp_runs(moe_dirs, tmp_path_factory):
+    """Every TP=2 engine of this file in one worker process (tp_worker.py), in turn: the Mixtral-style
+    model's BF16, pre-compressed and packed-at-load engines (and the pre-compressed one at TP=1), and
+    the models with expert intermediate 192 and 64 (BF16 and pre-compressed each)."""
+    from zipserv_vllm.checkpoint import compress_checkpoint
+    from zipserv_vllm.testing.zoo import build_zoo_model
+
+    root = tmp_path_factory.mktemp("moe_tp")
     bf16, zs = moe_dirs
-    runs = _worker("tp_worker.py", tmp_path / "tp.json", f"base={bf16}", f"pre={zs}", f"pack={bf16},zipserv",
-                   f"pre_tp1={zs},tp1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    specs = [f"base={bf16}", f"pre={zs}", f"pack={bf16},zipserv", f"pre_tp1={zs},tp1"]
+    for inter in (192, 64):
+        src = build_zoo_model(root / f"m{inter}", "mixtral", config={"intermediate_size": inter})
+        dst = compress_checkpoint(src, root / f"m{inter}-zs", progress=False).dst
+        specs += [f"base{inter}={src}", f"pre{inter}={dst}"]
+    with e2e_env():
+        return _worker("tp_worker.py", root / "tp.json", *specs, VLLM_CPU_OMP_THREADS_BIND="0|1")
+
+
+def test_tp2_identical_to_bf16_tp2(tp_runs):
+    runs = tp_runs
     (tp1,) = runs["pre_tp1"]["memory"]
     tp1_experts = sum(1 for k in tp1["parts"] if ".block_sparse_moe.experts." in k)
     for way in ("pre", "pack"):
@@ -91,21 +108,13 @@ def test_tp2_identical_to_bf16_tp2(vllm_env, moe_dirs, tmp_path):
             assert 0.4 * tp1["compressed_bf16_bytes"] < mem["compressed_bf16_bytes"] < 0.6 * tp1["compressed_bf16_bytes"]
 
 
-def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(vllm_env, tmp_path):
+def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(tp_runs):
     """Expert intermediate 192: each TP=2 rank's slice is 96 rows (w1/w3) or columns (w2), not whole
     64-element tiles, so each rank decodes those shards, splits them with vLLM's expert loader and
     encodes its slice (one log line per layer). Intermediate 64: each rank's w2 slice, 32 columns,
     would grow when padded to a tile, so the layers stay BF16 (the checkpoint's experts decoded into
     vLLM's weights) and the arena pages already filled for them are given back."""
-    from zipserv_vllm.checkpoint import compress_checkpoint
-    from zipserv_vllm.testing.zoo import build_zoo_model
-
-    specs = []
-    for inter in (192, 64):
-        bf16 = build_zoo_model(tmp_path / f"m{inter}", "mixtral", config={"intermediate_size": inter})
-        zs = compress_checkpoint(bf16, tmp_path / f"m{inter}-zs", progress=False).dst
-        specs += [f"base{inter}={bf16}", f"pre{inter}={zs}"]
-    runs = _worker("tp_worker.py", tmp_path / "tp.json", *specs, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    runs = tp_runs
     for inter in (192, 64):
         assert runs[f"pre{inter}"]["tokens"] == runs[f"base{inter}"]["tokens"], inter
         assert runs[f"pre{inter}"]["logprobs"] == runs[f"base{inter}"]["logprobs"], inter
