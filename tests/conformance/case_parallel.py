@@ -13,12 +13,13 @@ the gloo group, and join a new one on another port.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from zipserv_vllm.serve import free_port
 
 
 def _rank(rank: int, ports: dict, zs: str, bf16: str, out: dict) -> None:
@@ -92,17 +93,11 @@ def tiny(tmp_path_factory):
     return str(bf16), str(compress_checkpoint(bf16, root / "zs", progress=False).dst)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tiny):
     """Both cases in one pair of rank processes (TP=2, then PP=2): each spawned rank imports vLLM once."""
     bf16, zs = tiny
-    ports = {"tp": _free_port(), "pp": _free_port()}
+    ports = {"tp": free_port(), "pp": free_port()}
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()

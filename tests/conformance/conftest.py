@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
@@ -54,6 +53,7 @@ def vllm_cpu():
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    from zipserv_vllm.serve import free_port
     from zipserv_vllm.vllm_plugin import register
 
     register()
@@ -66,9 +66,7 @@ def vllm_cpu():
             torch.accelerator.empty_cache = lambda *a, **k: None
             torch.accelerator.synchronize = lambda *a, **k: None
     _set_torch_accelerator_to_noop()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with building_config():
         vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vc):
