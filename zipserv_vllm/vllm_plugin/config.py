@@ -295,6 +295,7 @@ class ZipServConfig(QuantizationConfig):
             arena.trim()
             for st in users:
                 st.bind()
+        self._first_contact()
         self._autotune()
         self._key_compile_cache()  # now with the layers as loaded
         if not self.precompressed or repacked:
@@ -303,6 +304,27 @@ class ZipServConfig(QuantizationConfig):
         from . import errors
 
         errors.clear_mine()  # this process's load went well: its earlier messages no longer apply
+
+    def _first_contact(self) -> None:
+        """Fast mode on CUDA weights: every kernel instance checked exactly once per device before it
+        serves (kernels/selfcheck.py); a failing GEMM instance switches this engine to exact mode with
+        one warning, a failing decompress kernel refuses the load."""
+        from ..format import CompressedTensor
+
+        devices = sorted({str(p.sm.device) for st in self._states if st.layer is not None for p in st.parts
+                          if isinstance(p, CompressedTensor) and p.sm.is_cuda})
+        if not devices:
+            return
+        # Runs only with CUDA weights (no GPU here); the checks and the mode decision are tested on the
+        # CPU with the SIMT harness's kernels and planted faults (tests/simt/test_selfcheck.py).
+        from ..kernels import selfcheck
+
+        try:
+            self.mode, line = selfcheck.engine_mode(self.mode, devices)
+        except selfcheck.DecodeError as exc:
+            raise loading.ZipServLoadError(str(exc)) from None
+        if line:
+            logger.warning(line)
 
     # ------------------------------------------------------------ dispatcher
     def _tuner(self):
