@@ -1,128 +1,185 @@
 #!/usr/bin/env bash
-# One prepared run for a GPU session (budget: 15 min of device time in all,
-# at most 10 min per command). PyTorch + CUDA + pybind11 are present there,
-# vLLM is not, and nothing can be downloaded.
+# First contact with a GPU, in one command that fits a short lease (default budget 8 minutes,
+# BUDGET=seconds to change it). Staged so the decisive numbers come first; every stage has its
+# own time limit, cut to what is left of the budget, and a stage that no longer fits is skipped
+# with a line saying so. PyTorch, CUDA, nvcc and pybind11 must be there; vLLM is not needed.
 #
-#   here (with network):  bash benchmarks/gpu_run.sh --prepare   # pure-Python wheels of pytest -> .gpu-wheels/
-#   on the GPU machine:   OUT=/some/dir bash benchmarks/gpu_run.sh
+#   OUT=/some/dir bash benchmarks/gpu_run.sh
 #
-# Steps, each under its own timeout so one slow step cannot eat the budget (about
-# 8 minutes in all; override with the *_TIMEOUT variables; SKIP_SANITIZE=1 /
-# SKIP_TESTS=1 / SKIP_BENCH=1; TUNE=1 to run tune_dispatch.py as well):
-#   1. build _C and _cuda in place for THIS GPU's arch only
-#   2. compute-sanitizer memcheck, racecheck, synccheck on
-#      benchmarks/gpu_sanitize.py (small shapes, every kernel) -> $OUT/sanitize-*.txt
-#   3. pytest tests/gpu                                    -> $OUT/pytest-gpu.{txt,xml}
-#   4. benchmarks/bench_zipgemm.py                          -> $OUT/bench_zipgemm.json
-#      and --moe-only (grouped kernel, MoE layers)          -> $OUT/bench_zipgemm_moe.json
-#   5. benchmarks/bench_decode_e2e.py (batch 1, 8, 32)      -> $OUT/bench_decode_e2e.json
-#   6. the engine-start autotuner on Llama-3-8B shapes      -> $OUT/autotune.json
-#   7. (TUNE=1) benchmarks/tune_dispatch.py                 -> $OUT/dispatch-<gpu>.json
-# Everything is logged to $OUT/gpu_run.log; the exit status is that of the tests.
+#   0. probe: GPU, driver, nvcc, Python headers, zlib, pybind11, the profilers      -> probe.txt
+#   1. build _cuda (nvcc, this GPU's arch only) and _C (g++) side by side           -> build_*.txt
+#      + the machine code: SASS and resource use of every kernel                     -> sass_*.txt, resources.txt
+#   2. first contact: every kernel instance once, exactly (kernels/selfcheck.py)    -> first_contact.txt
+#   3. bench_zipgemm.py --quick: fused / decoupled / cuBLAS, Llama-3-8B, N 1, 8, 32 -> bench_quick.json
+#   4. pytest tests/gpu, without the long layer-shape sweep                         -> pytest-gpu.{txt,xml}
+#   5. compute-sanitizer memcheck on gpu_sanitize.py (exact checks), no caching allocator
+#   6. ncu: two fused launches and cuBLAS's at N = 1 and 8 (28672 x 4096)             -> ncu.txt
+#   7. what time is left: racecheck, the MoE benchmark, the full benchmark
+# Logs go to a work folder; after every stage it is packed into $OUT/gpu_run.tar.gz (so a run cut
+# short still returns what it did), and the decisive JSON lies beside it: $OUT/bench_quick.json.
+# The exit status is 0 when the first contact, the tests and memcheck passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-
-if [ "${1:-}" = "--prepare" ]; then
-  "$PY" -m pip download -q --only-binary=:all: --no-deps -d .gpu-wheels pytest pluggy iniconfig packaging pygments exceptiongroup tomli
-  ls .gpu-wheels
-  exit 0
-fi
-
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_run.log"
-log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+BUDGET=${BUDGET:-480}
+WORK=$(mktemp -d /tmp/zipserv-gpu-run.XXXXXX)
+LOG="$WORK/gpu_run.log"
 T0=$(date +%s)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-log "host $(hostname), python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed"
-"$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
+log() { echo "[gpu_run +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( T0 + BUDGET - $(date +%s) )); }
+pack() { tar -czf "$OUT/gpu_run.tar.gz.tmp" -C "$WORK" . 2>/dev/null && mv "$OUT/gpu_run.tar.gz.tmp" "$OUT/gpu_run.tar.gz"; }
+# stage NAME LIMIT CMD...: run CMD under min(LIMIT, time left - 15 s); skip it when under 20 s are left
+stage() {
+  local name=$1 limit=$2; shift 2
+  local l; l=$(( $(left) - 15 )); [ "$l" -lt "$limit" ] && limit=$l
+  if [ "$limit" -lt 20 ]; then log "$name: SKIPPED (budget spent)"; return 124; fi
+  log "$name (limit ${limit} s)"
+  timeout --kill-after=5 "$limit" "$@"
+  local rc=$?
+  log "$name: exit status $rc$([ $rc = 124 ] && echo ' (time limit)')"
+  pack
+  return $rc
+}
+
+# ------------------------------------------------------------------ 0. probe
+{
+  echo "date $(date -u +%FT%TZ)  host $(hostname)  cores $(nproc)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  command -v nvcc && nvcc --version | tail -2
+  for tool in ncu compute-sanitizer cuobjdump nvdisasm; do echo "$tool: $(command -v $tool || echo MISSING)"; done
+  "$PY" - <<'EOF'
+import os, sys, sysconfig
+print("python", sys.version.split()[0], sys.executable)
+inc = sysconfig.get_paths()["include"]
+print("Python.h", os.path.exists(os.path.join(inc, "Python.h")), inc)
+print("zlib.h", any(os.path.exists(os.path.join(d, "zlib.h")) for d in ("/usr/include", inc)))
+for mod in ("torch", "numpy", "pybind11", "safetensors", "pytest", "hypothesis", "tqdm", "huggingface_hub"):
+    try:
+        m = __import__(mod)
+        print(mod, getattr(m, "__version__", "?"))
+    except Exception as exc:
+        print(mod, "MISSING", type(exc).__name__, exc)
 import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-try:
-    import numpy
-    print("numpy", numpy.__version__, "(zipserv needs >= 2.0)")
-except ImportError:
-    print("numpy MISSING (zipserv needs numpy >= 2.0)")
+print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    print("gpu", p.name, "cc", f"{p.major}.{p.minor}", "sms", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30))
+    print("gpu", p.name, "cc", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count,
+          "memory GiB", round(p.total_memory / 2**30, 1), "L2 MiB", getattr(p, "L2_cache_size", 0) >> 20)
 EOF
-ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')") || { log "no CUDA device"; exit 2; }
+} > "$WORK/probe.txt" 2>&1
+cat "$WORK/probe.txt" >> "$LOG"
+ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')" 2>/dev/null) \
+  || { log "no CUDA device: nothing to do"; pack; exit 2; }
+log "probe done: sm_$ARCH"
+pack
+
+# ------------------------------------------------------------------ 1. build
 export ZIPSERV_CUDA_ARCHS="$ARCH"
-
-if ! "$PY" -m pytest --version >/dev/null 2>&1; then
-  if [ -d .gpu-wheels ]; then
-    log "installing pytest from .gpu-wheels (offline)"
-    "$PY" -m pip install -q --no-index --find-links .gpu-wheels pytest 2>&1 | tee -a "$LOG"
-  else
-    log "pytest missing and no .gpu-wheels/ (run 'bash benchmarks/gpu_run.sh --prepare' where there is network)"
-  fi
+log "1. build _cuda (nvcc sm_$ARCH) and _C (g++) side by side"
+( stage "1a. build _cuda" 300 env ZIPSERV_BUILD_ONLY=_cuda "$PY" setup.py -q build_ext --inplace > "$WORK/build_cuda.txt" 2>&1 ) &
+B1=$!
+( stage "1b. build _C" 300 env ZIPSERV_BUILD_ONLY=_C "$PY" setup.py -q build_ext --inplace > "$WORK/build_C.txt" 2>&1 ) &
+B2=$!
+wait $B1; RC_CUDA=$?
+wait $B2; RC_C=$?
+[ "$RC_CUDA" = 0 ] || { log "build _cuda FAILED:"; tail -40 "$WORK/build_cuda.txt" | tee -a "$LOG"; }
+[ "$RC_C" = 0 ] || { log "build _C FAILED (the codec falls back to the slow reference):"; tail -20 "$WORK/build_C.txt" | tee -a "$LOG"; }
+"$PY" -c "from zipserv_vllm.kernels import cuda; print('kernels.cuda available:', cuda.available(), cuda.unavailable_reason()); \
+from zipserv_vllm import codec; print('native codec:', codec.native_available())" 2>&1 | tee -a "$LOG"
+SO=$(ls zipserv_vllm/_cuda*.so 2>/dev/null | head -1)
+if [ -n "$SO" ] && command -v cuobjdump >/dev/null; then
+  cuobjdump --dump-resource-usage "$SO" > "$WORK/resources.txt" 2>&1
+  cuobjdump --dump-sass "$SO" | gzip > "$WORK/sass_sm$ARCH.txt.gz"
+  log "machine code dumped ($(grep -c 'Function' "$WORK/resources.txt") kernels)"
 fi
+pack
+[ "$RC_CUDA" = 0 ] || { log "no CUDA extension: stopping"; exit 1; }
 
-log "1. build for sm_$ARCH"
-BUILD_START=$(date +%s)
-if ! timeout "${BUILD_TIMEOUT:-300}" env ZIPSERV_BUILD_ONLY=_C,_cuda "$PY" setup.py -q build_ext --inplace \
-    > "$OUT/build.txt" 2>&1; then
-  log "build FAILED (see build.txt)"; tail -30 "$OUT/build.txt" | tee -a "$LOG"; exit 1
-fi
-log "build ok in $(( $(date +%s) - BUILD_START )) s"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "from zipserv_vllm.kernels import cuda as cuda_ops; print('cuda_ops.available:', cuda_ops.available(), cuda_ops.unavailable_reason())" 2>&1 | tee -a "$LOG"
+# ------------------------------------------------------------------ 2. first contact
+FC_RC=0
+stage "2. first contact (every kernel instance once, exact)" 60 "$PY" - > "$WORK/first_contact.txt" 2>&1 <<'EOF' || FC_RC=$?
+import time, torch
+from zipserv_vllm.kernels import selfcheck
+t = time.time()
+fails = selfcheck.first_contact(torch.device("cuda", 0))
+print(f"first contact on {torch.cuda.get_device_name(0)}: {len(fails)} failing instance(s) in {time.time() - t:.2f} s")
+for f in fails:
+    print("  FAIL", f)
+raise SystemExit(1 if fails else 0)
+EOF
+cat "$WORK/first_contact.txt" | tee -a "$LOG"
 
-SAN_RC=0
-if [ -z "${SKIP_SANITIZE:-}" ]; then
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  if [ -n "$SAN" ]; then
-    for tool in memcheck racecheck synccheck; do
-      log "2. compute-sanitizer --tool $tool"
-      timeout "${SANITIZE_TIMEOUT:-90}" "$SAN" --tool "$tool" --error-exitcode 3 "$PY" benchmarks/gpu_sanitize.py \
-          > "$OUT/sanitize-$tool.txt" 2>&1
-      rc=$?; [ "$rc" -ne 0 ] && SAN_RC=$rc
-      log "$tool exit status $rc"; tail -4 "$OUT/sanitize-$tool.txt" | tee -a "$LOG"
-    done
-  else
-    log "2. compute-sanitizer not found: sanitizer runs skipped"
-  fi
-fi
+# ------------------------------------------------------------------ 3. the decisive numbers
+stage "3. bench_zipgemm --quick" 120 "$PY" benchmarks/bench_zipgemm.py --quick --out "$WORK/bench_quick.json" \
+  > "$WORK/bench_quick.txt" 2>&1
+cat "$WORK/bench_quick.txt" | tee -a "$LOG"
+[ -f "$WORK/bench_quick.json" ] && cp "$WORK/bench_quick.json" "$OUT/bench_quick.json"
 
+# ------------------------------------------------------------------ 4. tests
 TEST_RC=0
-if [ -z "${SKIP_TESTS:-}" ]; then
-  log "3. tests"
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rs --maxfail=20 -p no:cacheprovider tests/gpu \
-      --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.txt" 2>&1
-  TEST_RC=$?
-  tail -25 "$OUT/pytest-gpu.txt" | tee -a "$LOG"
-  log "tests exit status $TEST_RC"
+stage "4. pytest tests/gpu (without the long sweep)" 150 "$PY" -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/gpu \
+  -k "not layer_shapes_all_n" --junitxml="$WORK/pytest-gpu.xml" > "$WORK/pytest-gpu.txt" 2>&1 || TEST_RC=$?
+tail -30 "$WORK/pytest-gpu.txt" | tee -a "$LOG"
+
+# ------------------------------------------------------------------ 5. memcheck
+SAN_RC=0
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$SAN" ]; then
+  stage "5. compute-sanitizer memcheck" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck \
+    --error-exitcode 3 "$PY" benchmarks/gpu_sanitize.py > "$WORK/sanitize-memcheck.txt" 2>&1 || SAN_RC=$?
+  tail -6 "$WORK/sanitize-memcheck.txt" | tee -a "$LOG"
+else
+  log "5. compute-sanitizer not found: memcheck skipped"
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
-  log "4. bench_zipgemm"
-  timeout "${BENCH_TIMEOUT:-200}" "$PY" benchmarks/bench_zipgemm.py ${BENCH_ARGS:-} --out "$OUT/bench_zipgemm.json" \
-      > "$OUT/bench_zipgemm.txt" 2>&1
-  log "bench_zipgemm exit status $?"; tail -5 "$OUT/bench_zipgemm.txt" | tee -a "$LOG"
-  log "4b. bench_zipgemm --moe-only (grouped kernel over MoE layers)"
-  timeout "${MOE_BENCH_TIMEOUT:-120}" "$PY" benchmarks/bench_zipgemm.py --moe-only --iters 10 --reps 3 \
-      --out "$OUT/bench_zipgemm_moe.json" > "$OUT/bench_zipgemm_moe.txt" 2>&1
-  log "bench_zipgemm --moe-only exit status $?"; tail -12 "$OUT/bench_zipgemm_moe.txt" | tee -a "$LOG"
-  log "5. bench_decode_e2e"
-  timeout "${E2E_TIMEOUT:-150}" "$PY" benchmarks/bench_decode_e2e.py ${E2E_ARGS:-} --out "$OUT/bench_decode_e2e.json" \
-      > "$OUT/bench_decode_e2e.txt" 2>&1
-  log "bench_decode_e2e exit status $?"; tail -6 "$OUT/bench_decode_e2e.txt" | tee -a "$LOG"
+# ------------------------------------------------------------------ 6. ncu
+if command -v ncu >/dev/null; then
+  cat > "$WORK/ncu_target.py" <<'EOF'
+import torch, torch.nn.functional as F
+from zipserv_vllm.kernels import cuda
+m, k = 28672, 4096
+w = (torch.randn(m, k, device="cuda") * 0.02).to(torch.bfloat16)
+ct = cuda.compress_tensor_cuda(w)
+args = (ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, None)
+xs = {n: torch.randn(n, k, device="cuda").to(torch.bfloat16) for n in (1, 8)}
+for n, x in xs.items():  # warm: validation, kernel attributes, cuBLAS handles
+    cuda.fused_gemm(x, *args, 8, 1); F.linear(x, w)
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+for n, x in xs.items():
+    cuda.fused_gemm(x, *args, 8, 1)
+    F.linear(x, w)
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
+print("weights per launch", m * k, "compressed bytes", ct.nbytes, "bf16 bytes", m * k * 2)
+EOF
+  stage "6. ncu (fused and cuBLAS, N = 1 and 8)" 120 ncu --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+    --section InstructionStats --metrics smsp__inst_executed.sum,dram__bytes_read.sum,gpu__time_duration.sum \
+    "$PY" "$WORK/ncu_target.py" > "$WORK/ncu.txt" 2>&1
+  grep -E "fused_kernel|gemm|gemv|nvjet|Duration|DRAM Throughput|dram__bytes_read|smsp__inst_executed.sum|Issue Slots|Executed Ipc|Registers|Achieved Occupancy" \
+    "$WORK/ncu.txt" | head -60 | tee -a "$LOG"
+else
+  log "6. ncu not found: skipped"
 fi
 
-log "6. autotune (the engine-start dispatcher) on Llama-3-8B shapes"
-timeout "${AUTOTUNE_TIMEOUT:-60}" "$PY" benchmarks/gpu_autotune.py "$OUT/autotune.json" > "$OUT/autotune.txt" 2>&1
-log "autotune exit status $?"; tail -6 "$OUT/autotune.txt" | tee -a "$LOG"
-
-if [ -n "${TUNE:-}" ]; then
-  log "7. tune_dispatch"
-  GPU_KEY=$("$PY" -c "import torch; from zipserv_vllm.kernels.dispatch import table_key; print(table_key(torch.cuda.get_device_name()))")
-  timeout "${TUNE_TIMEOUT:-150}" "$PY" benchmarks/tune_dispatch.py --out "$OUT/dispatch-$GPU_KEY.json" \
-      > "$OUT/tune_dispatch.txt" 2>&1
-  log "tune_dispatch exit status $?"; tail -3 "$OUT/tune_dispatch.txt" | tee -a "$LOG"
+# ------------------------------------------------------------------ 7. with what is left
+if [ -n "$SAN" ]; then
+  stage "7a. compute-sanitizer racecheck" 90 "$SAN" --tool racecheck --error-exitcode 3 \
+    "$PY" benchmarks/gpu_sanitize.py > "$WORK/sanitize-racecheck.txt" 2>&1
+  tail -4 "$WORK/sanitize-racecheck.txt" | tee -a "$LOG"
 fi
-log "done in $(( $(date +%s) - T0 )) s"
-[ "$TEST_RC" -ne 0 ] && exit "$TEST_RC"
-exit "$SAN_RC"
+stage "7b. bench_zipgemm --moe-only" 90 "$PY" benchmarks/bench_zipgemm.py --moe-only --iters 10 --reps 3 \
+  --out "$WORK/bench_moe.json" > "$WORK/bench_moe.txt" 2>&1
+tail -12 "$WORK/bench_moe.txt" | tee -a "$LOG"
+stage "7c. bench_zipgemm (Llama-3-8B, every N)" 200 "$PY" benchmarks/bench_zipgemm.py --models llama3-8b \
+  --out "$WORK/bench_full.json" > "$WORK/bench_full.txt" 2>&1
+tail -8 "$WORK/bench_full.txt" | tee -a "$LOG"
+
+log "done in $(( $(date +%s) - T0 )) s: first contact $FC_RC, tests $TEST_RC, memcheck $SAN_RC"
+pack
+[ "$FC_RC" = 0 ] && [ "$TEST_RC" = 0 ] && [ "$SAN_RC" = 0 ]
