@@ -49,3 +49,30 @@ def test_composite_decompress_returns_on_the_arrays_device():
     ct = zipserv_vllm.compress_tensor(w)
     out = ops.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, 70, 130)
     assert out.device == ct.sm.device and torch.equal(out.view(torch.int16), w.view(torch.int16))
+
+
+def test_offsets_validated_once_and_again_after_a_change(monkeypatch):
+    """The host-side validation cache of kernels/cuda.py, which needs no GPU: the second look-up of a
+    validated weight must find it (the first GPU run found the WeakKeyDictionary it used raising
+    'Boolean value of Tensor with more than one value is ambiguous' there), and an in-place change
+    of the offsets must send it through validation again."""
+    import torch
+
+    import zipserv_vllm
+    from zipserv_vllm.kernels import cuda
+
+    ct = zipserv_vllm.compress_tensor((torch.randn(130, 200) * 0.02).to(torch.bfloat16))
+    arrays = (ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, *ct.shape)
+    seen = []
+    real = cuda.validate_weight
+    monkeypatch.setattr(cuda, "validate_weight", lambda *a: (seen.append(1), real(*a)))
+    monkeypatch.setattr(cuda, "_capturing", lambda: False)
+    for _ in range(3):
+        cuda._check_offsets_once(*arrays)
+    assert len(seen) == 1
+    ct.offsets[0, 0, 0] = ct.offsets[0, 0, 0]  # a write bumps the tensor's version
+    cuda._check_offsets_once(*arrays)
+    assert len(seen) == 2
+    ct.offsets[-1, -1, 0] = 1 << 40  # a segment outside the stream: refused before any kernel reads it
+    with pytest.raises(ValueError):
+        cuda._check_offsets_once(*arrays)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +55,8 @@ else:
 _lock = threading.Lock()
 _prepared: set[int] = set()
 _device_info: dict[int, tuple[str, tuple[int, int], int]] = {}
-# offsets tensor -> (its version, the arrays and shape it was validated with)
-_validated: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+# on a validated offsets tensor: (its version, the arrays and shape it was validated with)
+_VALIDATED_ATTR = "_zipserv_validated"  # set on the offsets tensor: lives and dies with it
 
 
 def available() -> bool:
@@ -169,7 +168,9 @@ def validate_weight(bitmaps, base, offsets, sm, fb, m: int, k: int) -> None:
         ct.validate("zipserv CUDA weight")
     except FormatError as exc:
         raise ValueError(str(exc)) from None
-    _validated[offsets] = _validation_key(bitmaps, base, offsets, sm, fb, m, k)
+    # An attribute of the tensor, not a WeakKeyDictionary: a dict lookup of a tensor key compares
+    # the stored and the looked-up tensor with ==, which is elementwise (found on the first GPU run).
+    setattr(offsets, _VALIDATED_ATTR, _validation_key(bitmaps, base, offsets, sm, fb, m, k))
 
 
 def _validation_key(bitmaps, base, offsets, sm, fb, m, k) -> tuple:
@@ -178,7 +179,7 @@ def _validation_key(bitmaps, base, offsets, sm, fb, m, k) -> tuple:
 
 
 def _check_offsets_once(bitmaps, base, offsets, sm, fb, m, k) -> None:
-    if _validated.get(offsets) == _validation_key(bitmaps, base, offsets, sm, fb, m, k):
+    if getattr(offsets, _VALIDATED_ATTR, None) == _validation_key(bitmaps, base, offsets, sm, fb, m, k):
         return
     if _capturing():
         raise RuntimeError("zipserv CUDA: this compressed weight was not validated before CUDA-graph capture "
