@@ -10,8 +10,9 @@ tokens in one batch. In order of precedence:
    ``configs/dispatch/``, written by ``benchmarks/tune_dispatch.py``);
 3. **the cost model** (:func:`estimate`), wherever nothing was measured.
 
-The cost model, and the assumptions it rests on (none of it measured: no GPU
-has run this code yet; the autotuner exists to replace it):
+The cost model, and what it rests on (its figures are datasheet values, except
+the decode rate, which comes from the machine code and one GPU run; the
+autotuner exists to replace it):
 
 * time of a kernel = max(memory time, compute time) + 2 us of launch overhead;
 * memory time = bytes moved / (HBM bandwidth x efficiency x fill), where
@@ -26,9 +27,15 @@ has run this code yet; the autotuner exists to replace it):
   decoupled path moves the compressed weight, writes the BF16 copy and cuBLAS
   reads it back;
 * compute: 2 N M K flops at 50 % of the BF16 tensor peak for the fused kernel
-  (decode competes for issue slots), 70 % for cuBLAS; and the fused decode
-  itself at 12 weights per cycle per SM (about 20 instructions per lane pair
-  of a 64-weight FT, 4 warps issuing per cycle) per column pass.
+  (decode competes for issue slots), 70 % for cuBLAS;
+* the decode itself, per column pass, at :func:`decode_rate` weights per
+  SM-cycle: 4 warp instructions per SM-cycle over the instance's hot-loop
+  instructions per weight counted in its SASS (``configs/sass_budget.json``,
+  ``benchmarks/sass_budget.py``: 1.41 for the tile_n 8 instance on sm_90),
+  times the share of it the instance reached on the H200 (0.73 at tile_n 8,
+  0.46 at 128); the decompress kernel at
+  the tile_n 8 rate. On the H200 this makes the decode, not the memory, the
+  bound of every compressed path, as measured.
 
 Table format (every key optional)::
 
@@ -99,26 +106,79 @@ class Gpu:
     sms: int
     l2_mb: float
     clock_ghz: float = 1.7
+    arch: str = "90"  # the SASS it runs (sm_<arch>): selects the decode rate
 
 
-# By compute capability (the datasheet figures of each family's common part).
+# By name (a pattern of the lower-cased device name, first match wins): the datasheet figures of
+# each part, so "NVIDIA H200 NVL" and "NVIDIA H100 PCIe" do not take the family's SXM numbers.
+FAMILIES = (
+    (r"h200", Gpu("H200", 4800, 989, 132, 60, 1.98, "90")),
+    (r"h100.*pcie|h800.*pcie", Gpu("H100 PCIe", 2000, 756, 114, 50, 1.755, "90")),
+    (r"h100|h800|gh200", Gpu("H100 SXM", 3350, 989, 132, 50, 1.98, "90")),
+    (r"a100.*40gb", Gpu("A100 40GB", 1555, 312, 108, 40, 1.41, "80")),
+    (r"a100", Gpu("A100 80GB", 2039, 312, 108, 40, 1.41, "80")),
+    (r"l40s", Gpu("L40S", 864, 362, 142, 48, 2.52, "89")),
+    (r"4090", Gpu("RTX 4090", 1008, 165, 128, 72, 2.52, "89")),
+    (r"b200", Gpu("B200", 8000, 2250, 148, 126, 1.965, "100")),
+)
+# By compute capability, where the name is not known (the family's common part).
 GPUS = {
-    (8, 0): Gpu("A100", 2039, 312, 108, 40, 1.41),
-    (8, 6): Gpu("A10 / RTX 3090", 600, 125, 72, 6, 1.7),
-    (8, 9): Gpu("L40S / RTX 4090", 864, 362, 142, 96, 2.5),
-    (9, 0): Gpu("H100 SXM / H200", 3350, 989, 132, 50, 1.98),
-    (10, 0): Gpu("B200", 8000, 2250, 148, 126, 1.9),
-    (12, 0): Gpu("RTX 5090", 1792, 209, 170, 96, 2.4),
+    (8, 0): Gpu("A100", 2039, 312, 108, 40, 1.41, "80"),
+    (8, 6): Gpu("A10 / RTX 3090", 600, 125, 72, 6, 1.7, "86"),
+    (8, 9): Gpu("L40S / RTX 4090", 864, 362, 142, 96, 2.5, "89"),
+    (9, 0): Gpu("H100 SXM / H200", 3350, 989, 132, 50, 1.98, "90"),
+    (10, 0): Gpu("B200", 8000, 2250, 148, 126, 1.9, "100"),
+    (12, 0): Gpu("RTX 5090", 1792, 209, 170, 96, 2.4, "120"),
 }
-GPUS_BY_NAME = {"nvidia-h200": Gpu("H200", 4800, 989, 132, 50, 1.98)}
-GENERIC = Gpu("unknown", 1500, 300, 100, 40, 1.5)
+GENERIC = Gpu("unknown", 1500, 300, 100, 40, 1.5, "90")
+
+
+def gpu_family(name: str) -> Gpu | None:
+    """The datasheet entry of a device name, matched by family pattern (None: unknown)."""
+    low = name.lower()
+    return next((g for pat, g in FAMILIES if re.search(pat, low)), None)
 
 
 def gpu_model(name: str = "", capability: tuple[int, int] | None = None, sms: int | None = None) -> Gpu:
-    g = GPUS_BY_NAME.get(table_key(name)) or (GPUS.get(tuple(capability)) if capability else None) or GENERIC
+    g = gpu_family(name) or (GPUS.get(tuple(capability)) if capability else None) or GENERIC
     if sms and sms != g.sms:
-        g = Gpu(g.name, g.hbm_gb_s, g.bf16_tflops * sms / g.sms, sms, g.l2_mb, g.clock_ghz)
+        g = Gpu(g.name, g.hbm_gb_s, g.bf16_tflops * sms / g.sms, sms, g.l2_mb, g.clock_ghz, g.arch)
     return g
+
+
+# ------------------------------------------------------------ decode rate
+# Where configs/sass_budget.json is absent (an install without the source tree): the rate the fused
+# N = 8 instance reached on the one GPU it ran on (an H200, 2026-12-04: 2.08 weights per SM-cycle).
+FALLBACK_DECODE_RATE = 2.0
+
+
+@lru_cache(maxsize=None)
+def sass_budget() -> dict:
+    """configs/sass_budget.json (benchmarks/sass_budget.py: each fused instance's hot-loop
+    instructions per weight from its machine code, and the issue efficiency measured on a GPU);
+    {} where it is not found."""
+    for d in table_dirs():
+        p = d.parent / "sass_budget.json"
+        if p.is_file():
+            with open(p) as fh:
+                return json.load(fh)
+    return {}
+
+
+def decode_rate(arch: str, tile_n: int) -> float:
+    """Weights per SM-cycle the fused instance ``tile_n`` decodes on ``sm_<arch>``: the issue bound
+    of its hot loop (4 warp instructions per SM-cycle over its instructions per weight, counted in
+    the machine code) times the share of that bound the instance reached on the H200 (per tile_n:
+    0.73 for tile_n 8, lower for the wide instances); sm_90's count for an arch without one. The decompress kernel (the decoupled path) runs the same per-lane decode: it is
+    charged the tile_n 8 rate (measured on the H200: 2.1 weights per SM-cycle, the fused 1.7-2.1)."""
+    budget = sass_budget()
+    rows = [r for r in budget.get("instances", ()) if r["kernel"] == "fused_kernel" and r["tile_n"] == tile_n]
+    row = next((r for r in rows if r["arch"] == arch), None) or next((r for r in rows if r["arch"] == "90"), None)
+    if row is None:
+        return FALLBACK_DECODE_RATE
+    cal = budget.get("h200_calibration") or {}
+    eff = float((cal.get("by_tile_n") or {}).get(str(tile_n), {}).get("efficiency", cal.get("efficiency", 1.0)))
+    return float(row["issue_bound_weights_per_sm_cycle"]) * eff
 
 
 def tile_n_for(n: int) -> int:
@@ -158,7 +218,9 @@ def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = 
     if plan.path == "decoupled":
         dec_blocks = -(-m // TILE) * -(-k // TILE)
         # (a grid larger than the GPU does not read faster than its memory: fill is at most 1)
-        t_dec = _mem_s(wc + 2.0 * m * k, gpu, 0.8, min(1.0, dec_blocks / (gpu.sms * 4))) + LAUNCH_S
+        dec_fill = min(1.0, dec_blocks / (gpu.sms * 4))
+        t_dec = max(_mem_s(wc + 2.0 * m * k, gpu, 0.8, dec_fill),
+                    m * k / (gpu.sms * decode_rate(gpu.arch, TILE_NS[0]) * gpu.clock_ghz * 1e9 * dec_fill)) + LAUNCH_S
         t_mm = max(_mem_s(2.0 * m * k + xy, gpu, 0.85), flops / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
         return t_dec + t_mm
     passes = -(-n // TILE_NS[-1]) if n > TILE_NS[-1] else 1
@@ -169,7 +231,8 @@ def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = 
         partial = 2.0 * plan.split * n * m * 4
         fast = partial / 2 <= gpu.l2_mb * 1e6
         t += _mem_s(partial, gpu, 0.75 * (3.0 if fast else 1.0)) + LAUNCH_S  # + the reduction kernel
-    t_decode = passes * m * k / (gpu.sms * 12 * gpu.clock_ghz * 1e9 * min(1.0, blocks / gpu.sms))
+    rate = decode_rate(gpu.arch, plan.tile_n)
+    t_decode = passes * m * k / (gpu.sms * rate * gpu.clock_ghz * 1e9 * min(1.0, blocks / gpu.sms))
     t_mma = flops / (gpu.bf16_tflops * 1e12 * 0.5)
     return max(t, t_decode, t_mma) + LAUNCH_S
 
@@ -270,7 +333,9 @@ def validate_table(table: dict, where: str = "table") -> dict:
 @lru_cache(maxsize=None)
 def load_table(gpu_name: str, capability: tuple[int, int]) -> dict:
     """The table for a GPU: by name, then sm<major><minor>, then default, then BUILTIN."""
-    names = [table_key(gpu_name), f"sm{capability[0]}{capability[1]}", "default"]
+    fam = gpu_family(gpu_name)
+    names = [table_key(gpu_name)] + ([table_key("nvidia " + fam.name)] if fam else []) + \
+        [f"sm{capability[0]}{capability[1]}", "default"]
     for d in table_dirs():
         for stem in names:
             p = d / f"{stem}.json"
