@@ -65,51 +65,17 @@ def need_cuda(tool: str):
 
 
 def time_calls(torch, fns, iters: int, reps: int, warmup: int = 3, graph: bool = True) -> float:
-    """Median over reps of the mean seconds per call, rotating through fns.
+    """zipserv_vllm.kernels.gpu_timing.time_calls (CUDA-graph replays; ``torch`` is unused, kept for
+    the callers)."""
+    from zipserv_vllm.kernels.gpu_timing import time_calls as timed
 
-    With ``graph`` the ``iters`` calls are captured once in a CUDA graph and the
-    graph is replayed, so Python and dispatcher overhead (tens of us per call,
-    comparable to a small decode GEMM) is excluded for every method alike.
-    """
-    # every function at least once before capture: the first call of each weight copy validates its
-    # offsets on the host, which graph capture refuses
-    for i in range(max(warmup, len(fns))):
-        fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    run = None
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for i in range(warmup):
-                fns[i % len(fns)]()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(iters):
-                fns[i % len(fns)]()
-        run = g.replay
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        if run is not None:
-            run()
-        else:
-            for i in range(iters):
-                fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / iters)
-    return statistics.median(samples)
+    return timed(fns, iters, reps, warmup=warmup, graph=graph)
 
 
 def clone_ct(ct):
-    from zipserv_vllm.format import CompressedTensor
+    from zipserv_vllm.kernels.gpu_timing import clone_compressed
 
-    return CompressedTensor(ct.shape, ct.bitmaps.clone(), ct.base.clone(), ct.offsets.clone(), ct.sm.clone(),
-                            ct.fb.clone())
+    return clone_compressed(ct)
 
 
 # Mixture-of-experts layers for --moe: (experts, top-k, {matrix: (M, K)}) per model.
@@ -216,6 +182,7 @@ def main(argv=None) -> int:
 
     import zipserv_vllm
     from zipserv_vllm.kernels import dispatch
+    from zipserv_vllm.kernels.gpu_timing import copies_for
 
     shapes_mod = load_shapes()
     models = ["llama3-8b"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
@@ -259,7 +226,7 @@ def main(argv=None) -> int:
         for layer, (m, k) in layers.items():
             w = (torch.randn(m, k, device=dev) * 0.02).to(torch.bfloat16)
             ct = cuda_ops.compress_tensor_cuda(w)
-            copies = max(1, min(args.max_copies, math.ceil(4 * l2 / (m * k * 2))))
+            copies = copies_for(m * k * 2, l2, factor=4, max_copies=args.max_copies)
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
             for n in ns:

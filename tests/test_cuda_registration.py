@@ -76,3 +76,16 @@ def test_offsets_validated_once_and_again_after_a_change(monkeypatch):
     ct.offsets[-1, -1, 0] = 1 << 40  # a segment outside the stream: refused before any kernel reads it
     with pytest.raises(ValueError):
         cuda._check_offsets_once(*arrays)
+
+
+def test_dispatch_cache_is_keyed_by_the_driver():
+    from zipserv_vllm.kernels import autotune, cuda
+
+    prop = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Jul 10 2025\nGCC version: gcc 12\n"
+    open_ = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder)\n"
+    assert cuda.driver_from_proc(prop) == "580.159.04"
+    assert cuda.driver_from_proc(open_) == "580.65.06"
+    assert cuda.driver_from_proc("garbage") is None
+    assert isinstance(cuda.driver_version(), str)  # no driver here: torch's answer, never an exception
+    a = autotune.cache_file("NVIDIA H200", "580.159.04", "0.1.0")
+    assert a != autotune.cache_file("NVIDIA H200", "580.65.06", "0.1.0") and "580-159-04" in a.name

@@ -21,7 +21,7 @@ Policy (``"prefer"`` in ``quantization_config`` or ``ZIPSERV_PREFER``):
 
 The timing function is injected (``time_fn(plan | "bf16", n, m, k) ->
 seconds``), so all of this is tested on the CPU with made-up timings; on a
-GPU :func:`cuda_time_fn` times real kernels with CUDA events.
+GPU :func:`cuda_time_fn` times real kernels as serving runs them (CUDA-graph replays, weights past the L2).
 ``ZIPSERV_AUTOTUNE_TIMINGS=FILE`` injects timings from a JSON file (tests),
 ``ZIPSERV_AUTOTUNE=0`` switches the measuring off. Imports no vLLM.
 """
@@ -170,41 +170,45 @@ def injected_time_fn(path: str | os.PathLike) -> Callable[[Plan | str, int, int,
     return fn
 
 
-def cuda_time_fn(device, reps: int = 5) -> Callable[[Plan | str, int, int, int], float]:  # pragma: no cover - GPU
-    """Real timings on ``device``: random weights of each shape, CUDA events, the median of ``reps``."""
-    import statistics
-
+def cuda_time_fn(device, iters: int = 10, reps: int = 3, max_copies: int = 4
+                 ) -> Callable[[Plan | str, int, int, int], float]:  # pragma: no cover - GPU
+    """Real timings on ``device`` as serving runs them: random weights of each shape in enough copies
+    to exceed twice the L2, every plan captured in a CUDA graph and replayed (gpu_timing.time_calls),
+    the median of ``reps``. ``release()`` frees the weights (the Tuner calls it after measuring, so
+    the scratch does not stay out of the KV cache for the engine's life)."""
     import torch
     import torch.nn.functional as F
 
     from . import cuda
+    from .gpu_timing import clone_compressed, copies_for, time_calls
 
     weights: dict = {}
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
 
     def fn(plan, n, m, k):
         if (m, k) not in weights:
             w = (torch.randn(m, k, device=device) * 0.02).to(torch.bfloat16)
-            weights[(m, k)] = (w, cuda.compress_tensor_cuda(w))
-        w, ct = weights[(m, k)]
+            ct = cuda.compress_tensor_cuda(w)
+            copies = copies_for(m * k * 2, l2, max_copies=max_copies)
+            weights[(m, k)] = ([w] + [w.clone() for _ in range(copies - 1)],
+                               [ct] + [clone_compressed(ct) for _ in range(copies - 1)])
+        ws, cts = weights[(m, k)]
         x = torch.randn(n, k, device=device).to(torch.bfloat16)
-        args = (x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, None)
         if plan == "bf16":
-            call = lambda: F.linear(x, w)  # noqa: E731
+            fns = [lambda w=w: F.linear(x, w) for w in ws]
         elif plan.path == "decoupled":
-            call = lambda: cuda.decoupled_gemm(*args)  # noqa: E731
+            fns = [lambda c=c: cuda.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)
+                   for c in cts]
         else:
-            call = lambda: cuda.fused_gemm(*args, plan.tile_n, plan.split)  # noqa: E731
-        call()
-        out = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(out)
+            fns = [lambda c=c: cuda.fused_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None,
+                                               plan.tile_n, plan.split) for c in cts]
+        return time_calls(fns, iters, reps)
 
+    def release() -> None:
+        weights.clear()
+        torch.cuda.empty_cache()
+
+    fn.release = release
     return fn
 
 

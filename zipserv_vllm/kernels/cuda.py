@@ -104,6 +104,31 @@ def device_info(device) -> tuple[str, tuple[int, int], int]:
     return _device_info[idx]
 
 
+def driver_from_proc(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's text (proprietary and open kernel modules)."""
+    import re
+
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9]+\.[0-9.]+)", text)
+    return m.group(1) if m else None
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version ("580.159.04", from /proc/driver/nvidia/version on Linux), else
+    the CUDA driver API version torch reports ("cuda-driver-13000"): what dispatch timings depend on,
+    beside the GPU and this package (torch.version.cuda is the toolkit torch was built with)."""
+    try:
+        with open("/proc/driver/nvidia/version") as fh:
+            found = driver_from_proc(fh.read())
+        if found:
+            return found
+    except OSError:
+        pass
+    try:
+        return f"cuda-driver-{torch._C._cuda_getDriverVersion()}"
+    except Exception:  # no driver API entry in this torch build
+        return f"cuda-{torch.version.cuda}"
+
+
 def plan(n: int, m: int, k: int, device) -> dispatch.Plan:
     """The dispatcher's choice for this call on this device."""
     name, cc, sms = device_info(device)

@@ -358,7 +358,7 @@ class ZipServConfig(QuantizationConfig):
                     from ..kernels import cuda
 
                     dev = torch.device("cuda", torch.cuda.current_device())
-                    cache = autotune.cache_file(cuda.device_info(dev)[0], str(torch.version.cuda), __version__)
+                    cache = autotune.cache_file(cuda.device_info(dev)[0], cuda.driver_version(), __version__)
                     tuner = autotune.Tuner(autotune.cuda_time_fn(dev), max_n, decode_n, cache)
                 elif loading.uses_packed(torch.device("cpu"), self.mode):
                     # CPU fast mode: time the byte-split kernels against vLLM's own BF16 kernel.
