@@ -59,6 +59,21 @@ void bind_kernels(py::module_& m) {
       "Fused ZipGEMM launch (split = non-empty K parts; ws holds split*N*M fp32 when split > 1)");
 
   m.def(
+      "zipgemm_packed",
+      [](uintptr_t x, uintptr_t tiles, uintptr_t luts, uintptr_t exc_start, uintptr_t exc, uintptr_t bias,
+         uintptr_t y, uintptr_t ws, int M, int K, int N, int tile_n, int split, int x_vec, uintptr_t stream) {
+        PackedGemmArgs p{ptr<const uint8_t>(tiles), ptr<const uint8_t>(luts), ptr<const int64_t>(exc_start),
+                         ptr<const int32_t>(exc),
+                         GemmArgs{nullptr, nullptr, nullptr, nullptr, nullptr, ptr<const uint16_t>(x),
+                                  ptr<const uint16_t>(bias), ptr<uint16_t>(y), ptr<float>(ws), M, K, N, split, x_vec}};
+        check(zipgemm_packed(p, tile_n, stream), "zipgemm_packed");
+      },
+      py::arg("x"), py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"), py::arg("bias"),
+      py::arg("y"), py::arg("ws"), py::arg("M"), py::arg("K"), py::arg("N"), py::arg("tile_n"), py::arg("split"),
+      py::arg("x_vec"), py::arg("stream"),
+      "Fused GEMM over the byte-split layout (docs/FORMAT.md appendix A), tile_n 8 or 16");
+
+  m.def(
       "zipgemm_grouped",
       [](uintptr_t weights, uintptr_t expert_rows, uintptr_t x, uintptr_t y, int M, int K, int E, int rows,
          int tile_n, int x_vec, uintptr_t stream) {

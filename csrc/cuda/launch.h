@@ -40,6 +40,16 @@ struct GroupedGemmArgs {
   int x_vec;                    // 1 when K % 8 == 0 and x is 16-byte aligned
 };
 
+// Y[N, M] = X[N, K] . W[M, K]^T (+ bias), W in the byte-split layout (docs/FORMAT.md appendix A):
+// g carries X, bias, Y, the split-K workspace and the sizes (its TCA-TBE pointers are unused).
+struct PackedGemmArgs {
+  const uint8_t* tiles;       // [Mt, Kt, 6144] tile records (16-byte aligned)
+  const uint8_t* luts;        // [Mt, Kt, 16] tables of high bytes (16-byte aligned)
+  const int64_t* exc_start;   // [G + 1]
+  const int32_t* exc;         // [E] d << 8 | high byte, ascending d per tile
+  GemmArgs g;
+};
+
 struct DecompressArgs {
   const uint64_t* bitmaps;
   const uint8_t* base;
@@ -73,6 +83,8 @@ struct ScatterArgs {
 
 int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream);
 int zipgemm_grouped(const GroupedGemmArgs& g, int tile_n, uintptr_t stream);
+// tile_n 8 or 16 (the decode sizes); split-K reduced as zipgemm's.
+int zipgemm_packed(const PackedGemmArgs& p, int tile_n, uintptr_t stream);
 int decompress(const DecompressArgs& a, uintptr_t stream);
 int encode_tiles(const EncodeArgs& a, uintptr_t stream);
 int encode_scatter(const ScatterArgs& a, uintptr_t stream);

@@ -20,6 +20,12 @@ ZIPSERV_FUSED_DECL(8)
 ZIPSERV_FUSED_DECL(16)
 #undef ZIPSERV_FUSED_DECL
 }  // namespace fused
+// Entry points of the byte-split-layout instances (zipgemm_packed.cu).
+namespace packed {
+int launch_nt8_1(const PackedGemmArgs& p, cudaStream_t st);
+int launch_nt8_2(const PackedGemmArgs& p, cudaStream_t st);
+int preload();
+}  // namespace packed
 
 namespace {
 
@@ -32,6 +38,15 @@ __global__ void __launch_bounds__(256) splitk_reduce(const float* ws, const uint
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     y[i] = f32_to_bf16_bits(epilogue_sum(ws + i, mn, parts, bias, static_cast<int>(i % M)));
   }
+}
+
+// The split-K parts of a.ws summed into a.y (with the bias).
+int reduce_parts(const GemmArgs& a, cudaStream_t st) {
+  const int64_t mn = static_cast<int64_t>(a.M) * a.N;
+  const int64_t blocks64 = (mn + 255) / 256;
+  const int blocks = static_cast<int>(blocks64 < 8192 ? blocks64 : 8192);
+  ZS_LAUNCH(splitk_reduce, blocks, 256, 0, st)(a.ws, a.bias, a.y, mn, a.M, a.split);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
@@ -50,11 +65,22 @@ int zipgemm(const GemmArgs& a, int tile_n, uintptr_t stream) {
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
   if (err != 0 || a.split == 1) return err;
-  const int64_t mn = static_cast<int64_t>(a.M) * a.N;
-  const int64_t blocks64 = (mn + 255) / 256;
-  const int blocks = static_cast<int>(blocks64 < 8192 ? blocks64 : 8192);
-  ZS_LAUNCH(splitk_reduce, blocks, 256, 0, st)(a.ws, a.bias, a.y, mn, a.M, a.split);
-  return static_cast<int>(cudaGetLastError());
+  return reduce_parts(a, st);
+}
+
+int zipgemm_packed(const PackedGemmArgs& p, int tile_n, uintptr_t stream) {
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const GemmArgs& a = p.g;
+  if (a.M < 1 || a.K < 1 || a.N < 1 || a.split < 1) return static_cast<int>(cudaErrorInvalidValue);
+  if (a.split > 1 && a.ws == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  int err;
+  switch (tile_n) {
+    case 8: err = packed::launch_nt8_1(p, st); break;
+    case 16: err = packed::launch_nt8_2(p, st); break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (err != 0 || a.split == 1) return err;
+  return reduce_parts(a, st);
 }
 
 int zipgemm_grouped(const GroupedGemmArgs& g, int tile_n, uintptr_t stream) {
@@ -81,6 +107,7 @@ int prepare_current_device() {
     cudaFuncAttributes at;
     err = static_cast<int>(cudaFuncGetAttributes(&at, splitk_reduce));
   }
+  if (!err) err = packed::preload();
   if (!err) err = decompress_preload();
   if (!err) err = embedding_preload();
   return err;

@@ -1,7 +1,7 @@
 """Kernel cases for the SIMT harness: what to launch and what must come out. numpy only.
 
 A case is a dict: ``kind`` (decompress, zipgemm, onehot, grouped, grouped_onehot,
-embedding, encode),
+packed, packed_onehot, embedding, encode),
 its arrays and scalars, and the expected result (from the reference codec,
 computed by the parent test). ``run(mod, case)`` launches it through
 ``kernels.py`` and returns None or what went wrong. ``save``/``load`` carry a
@@ -50,6 +50,22 @@ def run(mod, case: dict) -> str | None:
             y = kernels.zipgemm(mod, _enc(case), x, None, int(case["tile_n"]), int(case["split"]))
             msg = kernels.check_one_hot(y, case["w"], cols)
             return f"{name}: {msg}" if msg else None
+        if kind in ("packed", "packed_onehot"):
+            pk = SimpleNamespace(m=int(case["m"]), k=int(case["k"]), **{n: case[n] for n in kernels.PACKED})
+            if kind == "packed_onehot":
+                x = kernels.one_hot_x(case["cols"].size, pk.k, case["cols"])
+            else:
+                x = case["x"]
+            if int(case.get("x_offset", 0)):  # an X 2 bytes past a 16-byte boundary: the general instance
+                buf = np.zeros(x.size + 8, np.uint16)
+                x = buf[1:1 + x.size].reshape(x.shape)
+                x[...] = case["x"] if kind == "packed" else kernels.one_hot_x(case["cols"].size, pk.k, case["cols"])
+            y = kernels.zipgemm_packed(mod, pk, x, case.get("bias"), int(case["tile_n"]), int(case["split"]))
+            if kind == "packed_onehot":
+                msg = kernels.check_one_hot(y, case["w"], case["cols"])
+                return f"{name}: {msg}" if msg else None
+            err = kernels.gemm_error(y, case["w"], x, case.get("bias"))
+            return f"{name}: error {err:.3g} x the tolerance (inf = unwritten or NaN)" if not err <= 1 else None
         if kind in ("grouped", "grouped_onehot"):
             experts = [SimpleNamespace(m=int(case["m"]), k=int(case["k"]), **{n: case[f"{n}{i}"] for n in ENC})
                        for i in range(int(case["experts"]))]

@@ -97,7 +97,7 @@ def noncanonical_case(c, name="non-canonical layout"):
 def coverage_cases(race_only: bool = False) -> list:
     """One of everything, small enough for the sanitizer builds: every fused instance with split-K
     off and on, ragged shapes, K % 8 != 0, all 65,536 patterns through every kernel, non-canonical
-    layouts, the encoder.
+    layouts, the encoder, the byte-split-layout kernel.
 
     ``race_only`` (ThreadSanitizer, whose cost grows with every access it orders): the same cases
     with the three that only widen the data cut down (measured under TSan: 40 s, 21 s and 21 s of a
@@ -131,4 +131,22 @@ def coverage_cases(race_only: bool = False) -> list:
             grouped_case(expert_weights(3, 70, 100), [5, 1, 0], 16),
             grouped_case(np.stack([np.roll(ALL, 4099 * i).reshape(256, 256) for i in range(3)]), [9, 0, 20], 32,
                          onehot=True, name="grouped, all patterns")]
+    # the byte-split-layout kernel: both instances (K % 64 == 0 with aligned X; ragged K), split-K, exceptions
+    out += [packed_case(ALL.reshape(256, 256), "packed_onehot", "byte-split, all patterns", 16, 2,
+                        cols=np.arange(0, 256, 8 if race_only else 1)),
+            packed_case(w, "packed", "byte-split ragged", 8, 3, x=bf16_bits(rng.standard_normal((11, 200))),
+                        bias=bf16_bits(rng.standard_normal(130) * 0.1))]
     return out
+
+
+def packed_case(w, kind, name, tile_n, split, **extra):
+    """A case of the byte-split-layout kernel: W (bf16 bits) packed by the layout's executable spec
+    (zipserv_vllm.format.cpu_layout.reference_pack, docs/FORMAT.md appendix A)."""
+    import torch
+
+    from zipserv_vllm.format.cpu_layout import reference_pack
+
+    pt = reference_pack(torch.from_numpy(np.ascontiguousarray(w).view(np.int16)).view(torch.bfloat16))
+    arrays = {a: np.ascontiguousarray(getattr(pt, a).numpy()) for a in ("tiles", "luts", "exc_start", "exc")}
+    return {"kind": kind, "name": f"{name} tile_n={tile_n} split={split}", "m": int(w.shape[0]), "k": int(w.shape[1]),
+            "w": w, "tile_n": tile_n, "split": split, **arrays, **extra}

@@ -56,6 +56,23 @@ def zipgemm(mod, e, x: np.ndarray, bias: np.ndarray | None, tile_n: int, split: 
     return y
 
 
+PACKED = ("tiles", "luts", "exc_start", "exc")
+
+
+def zipgemm_packed(mod, pk, x: np.ndarray, bias: np.ndarray | None, tile_n: int, split: int) -> np.ndarray:
+    """Y [N, M] (bf16 bits) by the byte-split-layout kernel; pk has m, k and the four arrays of a
+    PackedTensor (docs/FORMAT.md appendix A). x may be an unaligned view (the general instance)."""
+    n = x.shape[0]
+    kt = -(-pk.k // TILE)
+    parts = mod.splitk_parts(kt, max(1, min(split, kt)))
+    y = np.full((n, pk.m), 0x7FC1, np.uint16)
+    ws = np.full(parts * n * pk.m, np.nan, np.float32) if parts > 1 else None
+    x_vec = int(pk.k % 8 == 0 and ptr(x) % 16 == 0)
+    mod.zipgemm_packed(ptr(x), *(ptr(getattr(pk, a)) for a in PACKED), 0 if bias is None else ptr(bias), ptr(y),
+                       0 if ws is None else ptr(ws), pk.m, pk.k, n, tile_n, parts, x_vec, 0)
+    return y
+
+
 def zipgemm_grouped(mod, experts: list, x: np.ndarray, counts, tile_n: int) -> np.ndarray:
     """Y [rows, M] (bf16 bits) by one grouped launch: X's rows grouped by expert, counts[e] rows
     for expert e (the launch sequence kernels/cuda.py's grouped_gemm uses: an int64 [E, 5] table of

@@ -128,3 +128,33 @@ def test_anchor_that_moved_fails_loudly(tmp_path):
     root = harness.copy_csrc(tmp_path / "csrc")
     with pytest.raises(AssertionError, match="occurs 0 times"):
         harness.plant(root, KERNEL, "no such line in the kernel", "")
+
+
+PACKED = "cuda/zipgemm_packed.cuh"
+
+
+def _packed_cases():
+    from .corpus import bf16_bits, packed_case, weight
+    from .test_packed import with_exceptions
+
+    rng = np.random.default_rng(11)
+    w = weight(rng, 128, 256)
+    return [packed_case(with_exceptions(128, 256, seed=4), "packed_onehot", "exceptions", 8, 1, cols=np.arange(256)),
+            packed_case(ALL.reshape(256, 256), "packed_onehot", "all patterns", 16, 2, cols=np.arange(0, 256, 3)),
+            packed_case(w, "packed", "gaussian", 16, 1, x=bf16_bits(rng.standard_normal((11, 256))))]
+
+
+@pytest.mark.parametrize("what,old,new", [
+    # the table look-up reads entry (code % 4) for code 1 instead of (code % 8)
+    ("selector", "const uint32_t s7 = a & 0x0707u;", "const uint32_t s7 = a & 0x0307u;"),
+    # codes >= 8 take entries 0..7 (the upper half of the table never used)
+    ("upper half", "const uint32_t m = prmt(a << 4, 0u, 0x0908u);", "const uint32_t m = 0u;"),
+    # the second element of a lane's pair never gets its exception
+    ("exception pair", "if (d == d0 + 1) v =", "if (d == d0 + 2) v ="),
+    # tiles with a few exceptions decoded in the main loop, unpatched (and again in the exception loop)
+    ("exception tile", "if (es[i + 1] > es[i]) {", "if (es[i + 1] > es[i] + 8) {"),
+])
+def test_packed_faults(tmp_path, what, old, new):
+    mod = _faulty(tmp_path, f"packed-{what.replace(' ', '-')}", PACKED, old, new)
+    todo = _packed_cases()
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))

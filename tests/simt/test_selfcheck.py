@@ -65,6 +65,19 @@ class SimtOps:
         w = _bf16(kernels.decompress(simt, self._weight("decoupled", bitmaps, base, offsets, sm, fb, m, k)))
         return F.linear(x, w)
 
+    PACKED_TILE_NS = (8, 16)
+
+    def packed_gemm(self, x, pt, bias, tile_n, split):
+        name = f"packed tile_n={tile_n} split={split}"
+        self.calls.append(name)
+        luts = np.ascontiguousarray(pt.luts.numpy()).copy()  # a fault must not touch the shared table
+        if name == self.fault:
+            luts.reshape(-1)[5] ^= 0x01  # one table entry of the first tile: one exponent bit
+        pk = type("P", (), dict(m=pt.shape[0], k=pt.shape[1], tiles=np.ascontiguousarray(pt.tiles.numpy()), luts=luts,
+                                exc_start=np.ascontiguousarray(pt.exc_start.numpy()),
+                                exc=np.ascontiguousarray(pt.exc.numpy())))
+        return _bf16(kernels.zipgemm_packed(simt, pk, _bits(x), None, tile_n, split))
+
     def grouped_gemm(self, x, experts, expert_rows, path="auto", tile_n=None):
         name = f"grouped {path}" + (f" tile_n={tile_n}" if tile_n else "")
         starts = expert_rows.tolist()
@@ -87,12 +100,13 @@ def test_every_instance_passes_on_the_kernels_own_code():
     assert selfcheck.run(ops, "cpu", M, K, n_random=5) == []
     want = {"decompress", "decoupled", "grouped decoupled"} | {
         f"fused tile_n={tn} split={s}" for tn in dispatch.TILE_NS for s in selfcheck.SPLITS} | {
-        f"grouped fused tile_n={tn}" for tn in dispatch.TILE_NS}
+        f"grouped fused tile_n={tn}" for tn in dispatch.TILE_NS} | {
+        f"packed tile_n={tn} split={s}" for tn in (8, 16) for s in selfcheck.SPLITS}
     assert set(ops.calls) == want  # every instance the dispatcher can pick was run
 
 
 @pytest.mark.parametrize("fault", ["fused tile_n=32 split=3", "fused tile_n=8 split=1", "grouped fused tile_n=128",
-                                   "decoupled"])
+                                   "decoupled", "packed tile_n=16 split=3"])
 def test_one_wrong_byte_names_its_instance(fault):
     fails = selfcheck.run(SimtOps(fault), "cpu", M, K, n_random=5)
     assert [f.split(":")[0] for f in fails] == [fault]

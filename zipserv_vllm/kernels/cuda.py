@@ -265,6 +265,56 @@ def _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split):
     return y
 
 
+PACKED_TILE_NS = (8, 16)  # the byte-split-layout kernel's instances (decode batch sizes)
+
+
+def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Tensor:
+    """Y[N, M] for x2 [N, K] by the byte-split-layout kernel (docs/FORMAT.md appendix A, the CPU fast
+    path's layout; csrc/cuda/zipgemm_packed.cuh): 12.05 bits per weight instead of v1's ~11.3, for a
+    decode of 0.28 warp instructions per weight instead of 1.41 (benchmarks/sass_budget.py). ``pt`` is
+    a PackedTensor on x2's device, validated on the host at its first call (refused during capture).
+    Not yet used by the plugin's dispatcher: it has not run on a GPU."""
+    _need()
+    m, k = pt.shape
+    if tile_n not in PACKED_TILE_NS:
+        raise ValueError(f"zipserv CUDA: the byte-split kernel has tile_n {PACKED_TILE_NS}, got {tile_n}")
+    if x2.dim() != 2 or x2.shape[1] != k or x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+        raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [N, {k}], got {x2.dtype} {list(x2.shape)}")
+    arrays = (pt.tiles, pt.luts, pt.exc_start, pt.exc)
+    for name, t in zip(("tiles", "luts", "exc_start", "exc"), arrays):
+        if t.device != x2.device or not t.is_contiguous():
+            raise ValueError(f"zipserv CUDA: {name} must be contiguous on {x2.device}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,) or bias.device != x2.device):
+        raise ValueError(f"zipserv CUDA: bias must be bfloat16 [{m}] on {x2.device}")
+    key = (pt.exc_start._version, pt.exc._version, pt.exc.data_ptr(), pt.exc.numel(), m, k)
+    if getattr(pt.exc_start, _VALIDATED_ATTR, None) != key:
+        if _capturing():
+            raise RuntimeError("zipserv CUDA: this packed weight was not validated before CUDA-graph capture; "
+                               "run it once eagerly first")
+        from ..format import FormatError
+
+        try:
+            pt.validate("zipserv CUDA packed weight")
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
+        setattr(pt.exc_start, _VALIDATED_ATTR, key)
+    with torch.cuda.device(x2.device):
+        prepare(x2.device)
+        n = x2.shape[0]
+        kt = -(-k // spec.TILE)
+        parts = _cuda.splitk_parts(kt, max(1, min(split, kt)))
+        y = torch.empty((n, m), dtype=torch.bfloat16, device=x2.device)
+        ws = _scratch(x2.device, parts * n * m, torch.float32) if parts > 1 else None
+        xp = x2.data_ptr()
+        _cuda.zipgemm_packed(xp, _ptr16(pt.tiles, "tiles"), _ptr16(pt.luts, "luts"), pt.exc_start.data_ptr(),
+                             pt.exc.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                             0 if ws is None else ws.data_ptr(), m, k, n, tile_n, parts,
+                             int(k % 8 == 0 and xp % 16 == 0), _stream(x2.device))
+        if ws is not None:
+            ws.record_stream(torch.cuda.current_stream(x2.device))
+        return y
+
+
 def decoupled_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int, bias) -> torch.Tensor:
     """Decompress into a BF16 copy of the weight (per-call scratch), then cuBLAS (F.linear)."""
     _need()

@@ -9,6 +9,8 @@ split-K off and on, the decoupled path, the grouped kernel at every
 ``tile_n``) once on a small random layer and compares with the weight it
 encoded:
 
+(and, where the ops have it, the byte-split-layout kernel at both its tile_n, split-K off and on)
+
 * **exactly**, by one-hot inputs: ``X`` holds rows of the identity, so
   ``Y[i, m] = W[m, cols[i]]`` (an fp32 sum of one product and zeros is
   exact); every column of ``W`` is covered, so one wrong weight fails;
@@ -95,6 +97,16 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
                 return ops.grouped_gemm(x, [ct, ct], rows.to(device), path=path, tile_n=tn)
 
             check(f"grouped {path}" + (f" tile_n={tn}" if tn else ""), grouped)
+    if hasattr(ops, "packed_gemm"):  # the byte-split-layout kernel (docs/FORMAT.md appendix A)
+        from ..format.cpu_layout import PackedTensor, reference_pack
+
+        ref = reference_pack(w.cpu())
+        pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(device)
+                                       for a in ("tiles", "luts", "exc_start", "exc")))
+        for tn in ops.PACKED_TILE_NS:
+            for split in SPLITS:
+                check(f"packed tile_n={tn} split={split}",
+                      lambda x, tn=tn, split=split: ops.packed_gemm(x, pt, None, tn, split))
     return fails
 
 

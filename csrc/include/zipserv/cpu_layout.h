@@ -33,9 +33,9 @@ constexpr uint8_t kPkPadLo = 0;                            // padding element: l
 
 // Byte offsets within a tile record of FT f's position p: its low byte, and
 // the byte and nibble (0 low, 1 high) holding its code.
-inline int pk_lo_byte(int f, int p) { return f * kPkFtBytes + p; }
-inline int pk_code_byte(int f, int p) { return f * kPkFtBytes + kPkLoBytes + (p >> 5) * 16 + (p & 15); }
-inline int pk_code_nibble(int p) { return (p >> 4) & 1; }
+ZS_HD int pk_lo_byte(int f, int p) { return f * kPkFtBytes + p; }
+ZS_HD int pk_code_byte(int f, int p) { return f * kPkFtBytes + kPkLoBytes + (p >> 5) * 16 + (p & 15); }
+ZS_HD int pk_code_nibble(int p) { return (p >> 4) & 1; }
 
 }  // namespace cpu
 }  // namespace zipserv
