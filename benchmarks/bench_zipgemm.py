@@ -7,7 +7,9 @@ times, in the same run and process:
                   (tile_n from N, split-K heuristic of the GPU's table);
 * ``decoupled`` : decompress kernel into a workspace + F.linear (cuBLAS);
 * ``cublas``    : F.linear on the BF16 weight;
-* ``dispatch``  : zipserv_vllm.linear(mode="fast"), i.e. what serving gets.
+* ``dispatch``  : zipserv_vllm.linear(mode="fast"), i.e. what serving gets;
+* ``packed``    : at N <= 16, the byte-split-layout kernel (docs/FORMAT.md
+                  appendix A, ~12.05 bits per weight; not yet used by serving).
 
 Several copies of every weight are rotated (enough to exceed 4x the L2 cache,
 at most --max-copies) so no method is flattered by a warm L2. Each number is
@@ -76,6 +78,24 @@ def clone_ct(ct):
     from zipserv_vllm.kernels.gpu_timing import clone_compressed
 
     return clone_compressed(ct)
+
+
+def packed_copies(w, copies: int, dev) -> list:
+    """``copies`` PackedTensors of the BF16 weight w on dev (docs/FORMAT.md appendix A), packed on the CPU."""
+    from zipserv_vllm.format.cpu_layout import PackedTensor
+
+    try:
+        from zipserv_vllm.kernels.cpu import pack
+        pt = pack(w.cpu())
+    except (ImportError, RuntimeError):  # no _cpu_gemm here: the layout's reference packer (slow)
+        from zipserv_vllm.format.cpu_layout import reference_pack
+        pt = reference_pack(w.cpu())
+    arrays = [getattr(pt, a).contiguous() for a in ("tiles", "luts", "exc_start", "exc")]
+    return [PackedTensor(pt.shape, *(a.to(dev) for a in arrays)) for _ in range(copies)]
+
+
+def packed_bytes(pt) -> int:
+    return sum(getattr(pt, a).numel() * getattr(pt, a).element_size() for a in ("tiles", "luts", "exc_start", "exc"))
 
 
 # Mixture-of-experts layers for --moe: (experts, top-k, {matrix: (M, K)}) per model.
@@ -175,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", action="store_true",
                     help="also time the grouped kernel over MoE layers (Qwen3-30B-A3B, Mixtral-8x7B experts)")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE entries")
+    ap.add_argument("--no-packed", action="store_true", help="skip the byte-split-layout kernel (N <= 16)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_zipgemm.json"))
     args = ap.parse_args(argv)
     torch, cuda_ops = need_cuda("bench_zipgemm")
@@ -229,6 +250,7 @@ def main(argv=None) -> int:
             copies = copies_for(m * k * 2, l2, factor=4, max_copies=args.max_copies)
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
+            pts = packed_copies(w, copies, dev) if min(ns) <= 16 and not args.no_packed else []
             for n in ns:
                 x = torch.randn(n, k, device=dev).to(torch.bfloat16)
                 gpu = dispatch.gpu_model(name, cc, sms)
@@ -242,6 +264,9 @@ def main(argv=None) -> int:
                                   for c_ in cts],
                     "dispatch": [lambda c=c_: zipserv_vllm.linear(x, c) for c_ in cts],
                 }
+                if pts and n <= 16:  # the byte-split-layout kernel (tile_n 8 / 16), at the fused kernel's split
+                    methods["packed"] = [lambda p=p_: cuda_ops.packed_gemm(x, p, None, 8 if n <= 8 else 16, fused_split)
+                                         for p_ in pts]
                 if n <= args.fused_max_n:
                     methods["fused"] = [lambda c=c_: cuda_ops.fused_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k,
                                                                           None, tn, fused_split) for c_ in cts]
@@ -255,8 +280,10 @@ def main(argv=None) -> int:
                     "plan": {"path": plan.path, "tile_n": plan.tile_n, "split": plan.split},
                     "fused_config": {"tile_n": tn, "split": fused_split},
                     "seconds": t,
+                    "packed_weight_bytes": packed_bytes(pts[0]) if pts else None,
                     "weight_GBps": {"cublas": m * k * 2 / t["cublas"] / 1e9,
-                                    **{key: ct.nbytes / t[key] / 1e9 for key in t if key != "cublas"}},
+                                    **{key: (packed_bytes(pts[0]) if key == "packed" else ct.nbytes) / t[key] / 1e9
+                                       for key in t if key != "cublas"}},
                     "speedup_vs_cublas": {key: t["cublas"] / t[key] for key in t if key != "cublas"},
                 }
                 rows.append(row)
@@ -264,9 +291,11 @@ def main(argv=None) -> int:
                 print(f"{model:12s} {layer:8s} {m:6d}x{k:<6d} N={n:<5d} cublas {t['cublas'] * 1e6:9.1f} us  "
                       f"fused {t.get('fused', float('nan')) * 1e6:9.1f} us ({sp.get('fused', float('nan')):5.2f}x)  "
                       f"decoupled {t['decoupled'] * 1e6:9.1f} us ({sp['decoupled']:5.2f}x)  "
-                      f"dispatch[{plan.path}] {sp['dispatch']:5.2f}x", flush=True)
+                      f"dispatch[{plan.path}] {sp['dispatch']:5.2f}x"
+                      + (f"  packed {t['packed'] * 1e6:9.1f} us ({sp['packed']:5.2f}x)" if "packed" in t else ""),
+                      flush=True)
                 write([], complete=False)
-            del ws, cts, w, ct
+            del ws, cts, w, ct, pts
             torch.cuda.empty_cache()
     moe_rows = run_moe(args, torch, cuda_ops, iters, reps, lambda mr: write(mr, complete=False)) \
         if (args.moe or args.moe_only) else []

@@ -7,10 +7,12 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
 #
 #   0. probe: GPU, driver, nvcc, Python headers, zlib, pybind11, the profilers      -> probe.txt
-#   1. build _cuda (nvcc, this GPU's arch only) and _C (g++) side by side           -> build_*.txt
+#   1. build _cuda (nvcc, this GPU's arch only) and _C + _cpu_gemm (g++; the byte-split packer)
+#      side by side                                                                  -> build_*.txt
 #      + the machine code: SASS and resource use of every kernel                     -> sass_*.txt, resources.txt
 #   2. first contact: every kernel instance once, exactly (kernels/selfcheck.py)    -> first_contact.txt
-#   3. bench_zipgemm.py --quick: fused / decoupled / cuBLAS, Llama-3-8B, N 1, 8, 32 -> bench_quick.json
+#   3. bench_zipgemm.py --quick: fused / decoupled / byte-split / cuBLAS, Llama-3-8B,
+#      N 1, 8, 32                                                                    -> bench_quick.json
 #   4. pytest tests/gpu, without the long layer-shape sweep                         -> pytest-gpu.{txt,xml}
 #   5. compute-sanitizer memcheck on gpu_sanitize.py (exact checks), no caching allocator
 #   6. ncu: two fused launches and cuBLAS's at N = 1 and 8 (28672 x 4096)             -> ncu.txt
@@ -79,15 +81,16 @@ pack
 
 # ------------------------------------------------------------------ 1. build
 export ZIPSERV_CUDA_ARCHS="$ARCH"
-log "1. build _cuda (nvcc sm_$ARCH) and _C (g++) side by side"
+log "1. build _cuda (nvcc sm_$ARCH) and _C, _cpu_gemm (g++) side by side"
 ( stage "1a. build _cuda" 300 env ZIPSERV_BUILD_ONLY=_cuda "$PY" setup.py -q build_ext --inplace > "$WORK/build_cuda.txt" 2>&1 ) &
 B1=$!
-( stage "1b. build _C" 300 env ZIPSERV_BUILD_ONLY=_C "$PY" setup.py -q build_ext --inplace > "$WORK/build_C.txt" 2>&1 ) &
+( stage "1b. build _C and _cpu_gemm" 300 env ZIPSERV_BUILD_ONLY=_C,_cpu_gemm "$PY" setup.py -q build_ext --inplace \
+    > "$WORK/build_C.txt" 2>&1 ) &
 B2=$!
 wait $B1; RC_CUDA=$?
 wait $B2; RC_C=$?
 [ "$RC_CUDA" = 0 ] || { log "build _cuda FAILED:"; tail -40 "$WORK/build_cuda.txt" | tee -a "$LOG"; }
-[ "$RC_C" = 0 ] || { log "build _C FAILED (the codec falls back to the slow reference):"; tail -20 "$WORK/build_C.txt" | tee -a "$LOG"; }
+[ "$RC_C" = 0 ] || { log "build _C/_cpu_gemm FAILED (slow reference codec and packer):"; tail -20 "$WORK/build_C.txt" | tee -a "$LOG"; }
 "$PY" -c "from zipserv_vllm.kernels import cuda; print('kernels.cuda available:', cuda.available(), cuda.unavailable_reason()); \
 from zipserv_vllm import codec; print('native codec:', codec.native_available())" 2>&1 | tee -a "$LOG"
 SO=$(ls zipserv_vllm/_cuda*.so 2>/dev/null | head -1)

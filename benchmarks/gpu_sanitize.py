@@ -2,8 +2,8 @@
 
 Run by benchmarks/gpu_run.sh as ``compute-sanitizer --tool TOOL python benchmarks/gpu_sanitize.py``:
 decompress, every fused instance (tile_n 8..128) with split-K off and on, the
-decoupled path, the embedding gather, the grouped (MoE) kernel and the GPU
-encoder, on 130 x 452 and 320 x 1000 weights (ragged M and K), the
+decoupled path, the embedding gather, the grouped (MoE) kernel, the
+byte-split-layout kernel (both instances) and the GPU encoder, on 130 x 452 and 320 x 1000 weights (ragged M and K), the
 all-65,536-patterns matrix, and a non-canonical layout (segments in reverse
 tile order with garbage between them).
 
@@ -101,6 +101,31 @@ def main() -> int:
                         check(within_f64(y, x, w), f"fused tile_n={tn} split={split} N={n} accumulation {where}")
                 y = cuda_ops.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)
                 check(within_f64(y, x, w), f"decoupled N={n} accumulation {where}")
+    # the byte-split-layout kernel (docs/FORMAT.md appendix A): the patterns matrix one-hot (inf / NaN rows give
+    # NaN wherever their row has one, so only rows without them are compared), Gaussian weights exactly and
+    # against float64, aligned X (16-byte chunks) and X one element off (the general instance)
+    from zipserv_vllm.format.cpu_layout import PackedTensor, reference_pack
+
+    for (m, k), w in weights.items():
+        ref = reference_pack(w)
+        pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(DEV)
+                                       for a in ("tiles", "luts", "exc_start", "exc")))
+        w = w.to(DEV)
+        finite = torch.isfinite(w.float()).all(dim=1)
+        for off in (0, 1):
+            x, cols = one_hot(k, k, device=DEV)
+            if off:
+                buf = torch.zeros(x.numel() + 8, dtype=torch.bfloat16, device=DEV)
+                x = buf[1:1 + x.numel()].view(k, k).copy_(x)
+            for tn in cuda_ops.PACKED_TILE_NS:
+                for split in (1, 3):
+                    y = cuda_ops.packed_gemm(x, pt, None, tn, split)
+                    check(exact_one_hot(y[:, finite], w[finite], cols), f"packed tile_n={tn} split={split} one-hot "
+                          f"{m}x{k} x offset {off}")
+                    if m != 256:
+                        xr = torch.randn(21, k, device=DEV).to(torch.bfloat16)
+                        check(within_f64(cuda_ops.packed_gemm(xr, pt, None, tn, split), xr, w),
+                              f"packed tile_n={tn} split={split} accumulation {m}x{k}")
     # the grouped (mixture-of-experts) kernel: 4 experts, one of them non-canonical, an empty expert, ragged rows;
     # experts 0 and 3 get every row of the identity, expert 2 a few
     m, k = 130, 452

@@ -3,8 +3,10 @@
 No GPU needed: the CUDA sources are compiled (nvcc -cubin) for each listed
 arch, disassembled (``cuobjdump -sass``; PyPI's ``nvidia-cuda-cuobjdump``
 where the toolkit has none), and for every fused and grouped instance the
-hottest tensor-core loop is found: the innermost loop (a backward branch)
-that holds ``HMMA`` instructions. One trip of it is one 64-wide K tile of a
+hottest tensor-core loop is found: the shortest loop (a backward branch)
+that holds ``HMMA`` instructions (the byte-split-layout kernel of
+``zipgemm_packed.cuh`` too: ``packed_kernel``, and ``packed_kernel_xfast``, its
+instance for 16-byte-aligned X and K a multiple of 64). One trip of it is one 64-wide K tile of a
 warp's 16 weight rows, 1,024 weights (``HMMA count x 256 / NT8``: each A
 fragment of 256 weights feeds NT8 n8 groups). Inner loops (the X staging
 loop) are counted once.
@@ -72,12 +74,12 @@ GPUS = (
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _FUNC = re.compile(r"Function\s*:\s*(\S+)")
 _PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
-_KERNEL = re.compile(r"(fused_kernel|grouped_kernel)ILi(\d+)E")
+_KERNEL = re.compile(r"(fused_kernel|grouped_kernel|packed_kernel)ILi(\d+)E(?:Lb([01])E)?")
 
 
 @dataclass
 class Loop:
-    kernel: str
+    kernel: str  # with "_xfast" for the byte-split kernel's instance for aligned X and K % 64 == 0
     nt8: int
     start: int
     end: int
@@ -110,7 +112,8 @@ def parse_sass(text: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def hot_loop(name: str, code: list[tuple[int, str]]) -> Loop | None:
-    """The innermost loop of a fused / grouped instance that holds HMMA instructions (None: no such loop)."""
+    """The shortest loop of a fused / grouped / byte-split instance that holds HMMA instructions (None: no
+    such loop). The byte-split kernel has two: its main loop and the rare one over tiles with exceptions."""
     km = _KERNEL.search(name)
     if km is None:
         return None
@@ -127,7 +130,8 @@ def hot_loop(name: str, code: list[tuple[int, str]]) -> Loop | None:
         hmma = sum(ins.startswith("HMMA") for ins in body)
         if hmma and (best is None or b - a < best.end - best.start):
             inner = sum(1 for c, d in loops if a <= c and d <= b and (c, d) != (a, b))
-            best = Loop(km.group(1), int(km.group(2)), a, b, len(body), hmma, inner)
+            kernel = km.group(1) + ("_xfast" if km.group(3) == "1" else "")
+            best = Loop(kernel, int(km.group(2)), a, b, len(body), hmma, inner)
     return best
 
 
@@ -216,23 +220,30 @@ def h200_efficiency(rows: list[dict]) -> dict | None:
             "issue_bound": bounds[8], "efficiency": by_tile["8"]["efficiency"], "by_tile_n": by_tile}
 
 
+PACKED_BITS = 12.05  # the byte-split layout (docs/FORMAT.md appendix A), Gaussian weights
+
+
 def predictions(rows: list[dict], bits: float, cal: dict | None) -> list[dict]:
-    """Predicted ratio to BF16 of the N <= 16 fused instances on each GPU of :data:`GPUS`."""
+    """Predicted ratio to BF16 of the N <= 16 instances on each GPU of :data:`GPUS`: the TCA-TBE fused
+    kernel at ``bits`` per weight, the byte-split kernel (aligned X) at PACKED_BITS. The efficiency
+    column uses the share of the issue bound the fused kernel reached on the H200 at that tile_n, for
+    both (the byte-split kernel has not run on a GPU)."""
     out = []
     for g in GPUS:
         bf16 = g.bandwidth_gb_s * 1e9 / 2 / (g.sms * g.clock_ghz * 1e9)
         for r in rows:
-            if r["arch"] != g.arch or r["kernel"] != "fused_kernel" or r["tile_n"] > 16:
+            if r["arch"] != g.arch or r["kernel"] not in ("fused_kernel", "packed_kernel_xfast") or r["tile_n"] > 16:
                 continue
+            b = bits if r["kernel"] == "fused_kernel" else PACKED_BITS
             rate = r["issue_bound_weights_per_sm_cycle"]
             eff = ((cal or {}).get("by_tile_n") or {}).get(str(r["tile_n"]), {}).get("efficiency")
             # to tie BF16 the decode must keep up with BF16's stream (bf16 weights per SM-cycle); to beat it
             # by 1.15x, 1.15 times that (possible only while 16 / bits >= 1.15)
-            row = {"gpu": g.name, "tile_n": r["tile_n"], "bf16_weights_per_sm_cycle": round(bf16, 2),
-                   "needed_for_1.15x": round(1.15 * bf16, 2),
-                   "ratio_at_issue_bound": round(min(16 / bits, rate / bf16), 3)}
+            row = {"gpu": g.name, "kernel": r["kernel"], "tile_n": r["tile_n"], "bits_per_weight": b,
+                   "bf16_weights_per_sm_cycle": round(bf16, 2), "needed_for_1.15x": round(1.15 * bf16, 2),
+                   "ratio_at_issue_bound": round(min(16 / b, rate / bf16), 3)}
             if eff is not None:
-                row["ratio_at_measured_efficiency"] = round(min(16 / bits, rate * eff / bf16), 3)
+                row["ratio_at_measured_efficiency"] = round(min(16 / b, rate * eff / bf16), 3)
             out.append(row)
     return out
 
@@ -252,7 +263,8 @@ def check(rows: list[dict], committed: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", default="80,89,90,100,120")
-    ap.add_argument("--sources", default="zipgemm_n8.cu,zipgemm_n16.cu,zipgemm_n32.cu,zipgemm_n64.cu,zipgemm_n128.cu")
+    ap.add_argument("--sources", default="zipgemm_n8.cu,zipgemm_n16.cu,zipgemm_n32.cu,zipgemm_n64.cu,zipgemm_n128.cu,"
+                                          "zipgemm_packed.cu")
     ap.add_argument("--bits", type=float, default=11.23, help="bits per weight for the predictions (bench_codec: 11.231)")
     ap.add_argument("--out", default=str(ROOT / "configs" / "sass_budget.json"))
     ap.add_argument("--check", default=None, help="fail if an instance grew against this JSON")
@@ -277,9 +289,11 @@ def main(argv=None) -> int:
         print(f"H200 calibration ({cal['layer']}, N = tile_n): " + ", ".join(
             f"tile_n {t}: {v['measured_weights_per_sm_cycle']} weights/SM-cycle = {v['efficiency']:.2f} of the bound"
             for t, v in cal["by_tile_n"].items()))
-    print(f"\n{'gpu':14} {'tile_n':>6} {'BF16 w/SM-cyc':>13} {'need 1.15x':>10} {'ratio (ceiling)':>15} {'ratio (H200 eff)':>16}")
+    print(f"\n{'gpu':14} {'kernel':20} {'tile_n':>6} {'BF16 w/SM-cyc':>13} {'need 1.15x':>10} {'ratio (ceiling)':>15} "
+          f"{'ratio (H200 eff)':>16}")
     for p in result["predictions"]:
-        print(f"{p['gpu']:14} {p['tile_n']:6d} {p['bf16_weights_per_sm_cycle']:13.2f} {p['needed_for_1.15x']:10.2f} "
+        print(f"{p['gpu']:14} {p['kernel']:20} {p['tile_n']:6d} {p['bf16_weights_per_sm_cycle']:13.2f} "
+              f"{p['needed_for_1.15x']:10.2f} "
               f"{p['ratio_at_issue_bound']:15.2f}x {p.get('ratio_at_measured_efficiency', float('nan')):15.2f}x")
     rc = 0
     if args.check:
