@@ -1,8 +1,8 @@
 """How many machine instructions each weight costs in the fused kernels' hot loop, and what that allows.
 
 No GPU needed: the CUDA sources are compiled (nvcc -cubin) for each listed
-arch, disassembled (``cuobjdump -sass``; PyPI's ``nvidia-cuda-cuobjdump``
-where the toolkit has none), and for every fused and grouped instance the
+arch, disassembled (``cuobjdump -sass``, which runs ``nvdisasm``; PyPI's
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` where the toolkit has none), and for every fused and grouped instance the
 hottest tensor-core loop is found: the shortest loop (a backward branch)
 that holds ``HMMA`` instructions (the byte-split-layout kernel of
 ``zipgemm_packed.cuh`` too: ``packed_kernel``, and ``packed_kernel_xfast``, its
@@ -167,17 +167,24 @@ def compile_cubin(nvcc: str, src: Path, arch: str, out: Path) -> Path:
 
 def measure(archs: list[str], sources: list[str], jobs: int = 0) -> tuple[list[dict], dict]:
     nvcc = _nvcc_build().find_nvcc()
-    cuobjdump = find_tool("cuobjdump")
-    if nvcc is None or cuobjdump is None:
-        raise FileNotFoundError(f"needs nvcc ({nvcc or 'not found'}) and cuobjdump ({cuobjdump or 'not found'}; "
-                                "pip install nvidia-cuda-cuobjdump)")
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if nvcc is None or cuobjdump is None or nvdisasm is None:
+        raise FileNotFoundError(f"needs nvcc ({nvcc or 'not found'}), cuobjdump ({cuobjdump or 'not found'}) and "
+                                f"nvdisasm ({nvdisasm or 'not found'}; pip install nvidia-cuda-cuobjdump "
+                                "nvidia-cuda-nvdisasm)")
+    # cuobjdump -sass runs nvdisasm, found on PATH or in the folder NVDISASM_PATH names
+    env = dict(os.environ, NVDISASM_PATH=str(Path(nvdisasm).parent),
+               PATH=str(Path(nvdisasm).parent) + os.pathsep + os.environ.get("PATH", ""))
     work = [(a, ROOT / "csrc" / "cuda" / s) for a in archs for s in sources]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         def one(item):
             arch, src = item
             cubin = compile_cubin(nvcc, src, arch, Path(tmp) / f"{src.stem}_sm{arch}.cubin")
-            text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            r = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                raise RuntimeError(f"cuobjdump -sass failed on {cubin.name}: {r.stderr.strip()[-1000:]}")
+            text = r.stdout
             return arch, src.name, parse_sass(text)
 
         for arch, src, funcs in pool.map(one, work):

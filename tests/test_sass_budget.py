@@ -78,9 +78,9 @@ def test_committed_budget_is_complete_and_consistent():
 
 def test_the_count_has_not_moved():
     nvcc = sb._nvcc_build().find_nvcc()
-    if nvcc is None or sb.find_tool("cuobjdump") is None:
-        pytest.skip("needs nvcc and cuobjdump (scripts/setup.sh installs PyPI's nvidia-cuda-cuobjdump; nvcc is "
-                    "the CUDA toolkit's) to compile and disassemble the kernels")
+    if nvcc is None or sb.find_tool("cuobjdump") is None or sb.find_tool("nvdisasm") is None:
+        pytest.skip("needs nvcc, cuobjdump and nvdisasm (scripts/setup.sh installs PyPI's nvidia-cuda-cuobjdump and "
+                    "nvidia-cuda-nvdisasm; nvcc is the CUDA toolkit's) to compile and disassemble the kernels")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     if version != COMMITTED["tools"]["nvcc"]:
         pytest.skip(f"this nvcc ({version}) is not the one the committed counts come from "
