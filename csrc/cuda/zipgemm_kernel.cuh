@@ -85,6 +85,28 @@ struct Fused {
 
 };
 
+// Epilogue of a block (the fused and the byte-split kernels): bias + bf16 rounding (split == 1) or
+// the fp32 partials of K part `part`.
+template <int NT8>
+__device__ __forceinline__ void store_acc(const GemmArgs& a, const float (&acc)[NT8][4], int tm, int col0, int part,
+                                          int warp, int lane) {
+#pragma unroll
+  for (int t = 0; t < NT8; ++t) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int m = c_out_m(tm, warp, lane, r);
+      const int n = c_out_n(col0, t, lane, r);
+      if (m < a.M && n < a.N) {
+        if (a.split == 1) {
+          a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));
+        } else {
+          a.ws[ws_index(part, n, m, a.N, a.M)] = acc[t][r];
+        }
+      }
+    }
+  }
+}
+
 // One block's work: tile row tm of W, X rows col0 .. col0 + TN - 1, K part `part`.
 template <int NT8>
 __device__ __forceinline__ void fused_block(const GemmArgs& a, unsigned char* smem, int col0, int tm, int part) {
@@ -158,22 +180,7 @@ __device__ __forceinline__ void fused_block(const GemmArgs& a, unsigned char* sm
       F::compute(acc, bmp(pipe_compute_bmp(i)), st_sm(cs), st_fb(cs), st_x(cs), cur, cur_base, warp, lane, ncols);
     }
 
-    // Epilogue: bias + bf16 rounding (split == 1) or fp32 partials.
-#pragma unroll
-    for (int t = 0; t < NT8; ++t) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = c_out_m(tm, warp, lane, r);
-        const int n = c_out_n(col0, t, lane, r);
-        if (m < a.M && n < a.N) {
-          if (a.split == 1) {
-            a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));
-          } else {
-            a.ws[ws_index(part, n, m, a.N, a.M)] = acc[t][r];
-          }
-        }
-      }
-    }
+    store_acc<NT8>(a, acc, tm, col0, part, warp, lane);
 }
 
 template <int NT8>

@@ -187,21 +187,7 @@ __device__ __forceinline__ void packed_block(const PackedGemmArgs& p, int col0, 
     }
   }
 
-#pragma unroll
-  for (int t = 0; t < NT8; ++t) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = c_out_m(tm, warp, lane, r);
-      const int n = c_out_n(col0, t, lane, r);
-      if (m < a.M && n < a.N) {
-        if (a.split == 1) {
-          a.y[y_index(n, m, a.M)] = f32_to_bf16_bits(epilogue_sum(&acc[t][r], 0, 1, a.bias, m));
-        } else {
-          a.ws[ws_index(part, n, m, a.N, a.M)] = acc[t][r];
-        }
-      }
-    }
-  }
+  fused::store_acc<NT8>(a, acc, tm, col0, part, warp, lane);
 }
 
 template <int NT8, bool kXFast>
