@@ -33,7 +33,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 log() { echo "[gpu_run +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( T0 + BUDGET - $(date +%s) )); }
-pack() { tar -czf "$OUT/gpu_run.tar.gz.tmp" -C "$WORK" . 2>/dev/null && mv "$OUT/gpu_run.tar.gz.tmp" "$OUT/gpu_run.tar.gz"; }
+# (a name per process: the two build stages run side by side)
+pack() { tar -czf "$OUT/gpu_run.tar.gz.$BASHPID" -C "$WORK" . 2>/dev/null && mv "$OUT/gpu_run.tar.gz.$BASHPID" "$OUT/gpu_run.tar.gz"; }
 # stage NAME LIMIT CMD...: run CMD under min(LIMIT, time left - 15 s); skip it when under 20 s are left
 stage() {
   local name=$1 limit=$2; shift 2

@@ -60,6 +60,7 @@ def test_decode_rate_comes_from_the_machine_code():
 def test_gpu_names_match_their_family():
     assert dispatch.gpu_model("NVIDIA H200").hbm_gb_s == 4800
     assert dispatch.gpu_model("NVIDIA H200 NVL", (9, 0)).name == "H200"
+    assert dispatch.gpu_model("NVIDIA GH200 480GB", (9, 0)).name == "GH200"  # not the H200 it contains
     assert dispatch.gpu_model("NVIDIA H100 PCIe", (9, 0)).hbm_gb_s == 2000
     assert dispatch.gpu_model("NVIDIA H100 80GB HBM3", (9, 0)).name == "H100 SXM"
     assert dispatch.gpu_model("NVIDIA A100-SXM4-40GB", (8, 0)).hbm_gb_s == 1555

@@ -106,10 +106,18 @@ def test_every_instance_passes_on_the_kernels_own_code():
 
 
 @pytest.mark.parametrize("fault", ["fused tile_n=32 split=3", "fused tile_n=8 split=1", "grouped fused tile_n=128",
-                                   "decoupled", "packed tile_n=16 split=3"])
+                                   "decoupled"])
 def test_one_wrong_byte_names_its_instance(fault):
     fails = selfcheck.run(SimtOps(fault), "cpu", M, K, n_random=5)
     assert [f.split(":")[0] for f in fails] == [fault]
+
+
+def test_a_wrong_byte_split_kernel_is_reported_but_does_not_change_the_mode():
+    fails = selfcheck.run(SimtOps("packed tile_n=16 split=3"), "cpu", M, K, n_random=5)
+    assert [f.split(":")[0] for f in fails] == ["packed tile_n=16 split=3 (general X)",
+                                                 "packed tile_n=16 split=3 (aligned X)"]
+    mode, line = selfcheck.engine_mode("fast", ["cuda:0"], lambda d: fails)
+    assert mode == "fast" and "not used for serving" in line and "serving is unaffected" in line
 
 
 def test_a_wrong_decompress_is_reported_alone():

@@ -284,9 +284,10 @@ def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Te
     for name, t in zip(("tiles", "luts", "exc_start", "exc"), arrays):
         if t.device != x2.device or not t.is_contiguous():
             raise ValueError(f"zipserv CUDA: {name} must be contiguous on {x2.device}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,) or bias.device != x2.device):
-        raise ValueError(f"zipserv CUDA: bias must be bfloat16 [{m}] on {x2.device}")
-    key = (pt.exc_start._version, pt.exc._version, pt.exc.data_ptr(), pt.exc.numel(), m, k)
+    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,) or bias.device != x2.device
+                             or not bias.is_contiguous()):
+        raise ValueError(f"zipserv CUDA: bias must be a contiguous bfloat16 [{m}] on {x2.device}")
+    key = tuple((t._version, t.data_ptr(), t.numel()) for t in arrays) + (m, k)
     if getattr(pt.exc_start, _VALIDATED_ATTR, None) != key:
         if _capturing():
             raise RuntimeError("zipserv CUDA: this packed weight was not validated before CUDA-graph capture; "

@@ -112,9 +112,10 @@ class Gpu:
 # By name (a pattern of the lower-cased device name, first match wins): the datasheet figures of
 # each part, so "NVIDIA H200 NVL" and "NVIDIA H100 PCIe" do not take the family's SXM numbers.
 FAMILIES = (
+    (r"gh200", Gpu("GH200", 4000, 989, 132, 60, 1.98, "90")),  # HBM3 part; before "h200", which it contains
     (r"h200", Gpu("H200", 4800, 989, 132, 60, 1.98, "90")),
     (r"h100.*pcie|h800.*pcie", Gpu("H100 PCIe", 2000, 756, 114, 50, 1.755, "90")),
-    (r"h100|h800|gh200", Gpu("H100 SXM", 3350, 989, 132, 50, 1.98, "90")),
+    (r"h100|h800", Gpu("H100 SXM", 3350, 989, 132, 50, 1.98, "90")),
     (r"a100.*40gb", Gpu("A100 40GB", 1555, 312, 108, 40, 1.41, "80")),
     (r"a100", Gpu("A100 80GB", 2039, 312, 108, 40, 1.41, "80")),
     (r"l40s", Gpu("L40S", 864, 362, 142, 48, 2.52, "89")),

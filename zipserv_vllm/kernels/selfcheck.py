@@ -32,6 +32,7 @@ import torch
 from . import dispatch
 
 SPLITS = (1, 3)  # split-K off, and three parts (partials reduced by the split-K kernel)
+PACKED = "packed"  # failures of the byte-split kernel start with this: reported, never used to pick the mode
 _RESULTS: dict[tuple[str, int | None], list[str]] = {}
 
 
@@ -97,16 +98,29 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
                 return ops.grouped_gemm(x, [ct, ct], rows.to(device), path=path, tile_n=tn)
 
             check(f"grouped {path}" + (f" tile_n={tn}" if tn else ""), grouped)
-    if hasattr(ops, "packed_gemm"):  # the byte-split-layout kernel (docs/FORMAT.md appendix A)
+    if hasattr(ops, "packed_gemm"):  # the byte-split-layout kernel (docs/FORMAT.md appendix A): reported only
         from ..format.cpu_layout import PackedTensor, reference_pack
 
-        ref = reference_pack(w.cpu())
-        pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(device)
-                                       for a in ("tiles", "luts", "exc_start", "exc")))
-        for tn in ops.PACKED_TILE_NS:
-            for split in SPLITS:
-                check(f"packed tile_n={tn} split={split}",
-                      lambda x, tn=tn, split=split: ops.packed_gemm(x, pt, None, tn, split))
+        # the general instance on this layer (K % 64 != 0), the aligned-X one on a K = 512 layer
+        w2 = (torch.randn(m, 512, generator=g) * 0.02).to(torch.bfloat16).to(device)
+        for wk, label in ((w, "general X"), (w2, "aligned X")):
+            ref = reference_pack(wk.cpu())
+            pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(device)
+                                           for a in ("tiles", "luts", "exc_start", "exc")))
+            kk = wk.shape[1]
+            xo_k, cols_k = one_hot(kk, kk, device=device)
+            xr_k = torch.randn(n_random, kk, generator=g).to(torch.bfloat16).to(device)
+            for tn in ops.PACKED_TILE_NS:
+                for split in SPLITS:
+                    name = f"{PACKED} tile_n={tn} split={split} ({label})"
+                    try:
+                        ok = (exact_one_hot(ops.packed_gemm(xo_k, pt, None, tn, split), wk, cols_k)
+                              and within_f64(ops.packed_gemm(xr_k, pt, None, tn, split), xr_k, wk))
+                    except Exception as exc:
+                        fails.append(f"{name}: {type(exc).__name__}: {exc}")
+                        continue
+                    if not ok:
+                        fails.append(f"{name}: wrong outputs")
     return fails
 
 
@@ -132,8 +146,11 @@ def engine_mode(mode: str, devices, check=first_contact) -> tuple[str, str | Non
     :class:`DecodeError`. Exact mode runs no check beyond what loading does."""
     if mode != "fast":
         return mode, None
+    notes = []
     for dev in devices:
-        fails = check(dev)
+        every = check(dev)
+        fails = [f for f in every if not f.startswith(PACKED)]  # the byte-split kernel does not serve (yet)
+        notes += [f"{dev}: {f}" for f in every if f.startswith(PACKED)]
         if not fails:
             continue
         if fails[0].startswith("decompress"):
@@ -143,4 +160,7 @@ def engine_mode(mode: str, devices, check=first_contact) -> tuple[str, str | Non
         more = f" and {len(fails) - 1} more" if len(fails) > 1 else ""
         return "exact", (f"zipserv: the fused CUDA kernels failed their first-contact check on {dev} "
                          f"({fails[0]}{more}); serving in exact mode (decompress + cuBLAS, bit-identical to BF16)")
+    if notes:
+        return mode, (f"zipserv: the byte-split CUDA kernel (not used for serving) failed its first-contact check "
+                      f"({notes[0]}{f' and {len(notes) - 1} more' if len(notes) > 1 else ''}); serving is unaffected")
     return mode, None
