@@ -72,17 +72,23 @@ struct Fused {
                                  ft_fb_before(seg, kg * 4 + j, hrun), lane);
         hrun += popc64(indicator(p0, p1, p2));
       }
-#pragma unroll
-      for (int t = 0; t < NT8; ++t) {
-        if (t * 8 < ncols) {  // uniform: skip n8 groups wholly beyond N
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 0));
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 1));
-          mma_bf16_16816(acc[t], af, b0, b1);
-        }
-      }
+      mma_slice(acc, af, sx, kg, lane, ncols);
     }
   }
 
+  // The MMAs of K slice kg: A fragment af (decoded by the caller) times each n8 group of the staged
+  // X tile. Shared with the byte-split kernel (zipgemm_packed.cuh).
+  static __device__ __forceinline__ void mma_slice(float (&acc)[NT8][4], const uint32_t (&af)[4],
+                                                   const uint16_t* sx, int kg, int lane, int ncols) {
+#pragma unroll
+    for (int t = 0; t < NT8; ++t) {
+      if (t * 8 < ncols) {  // uniform: skip n8 groups wholly beyond N
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 0));
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 1));
+        mma_bf16_16816(acc[t], af, b0, b1);
+      }
+    }
+  }
 };
 
 // Epilogue of a block (the fused and the byte-split kernels): bias + bf16 rounding (split == 1) or

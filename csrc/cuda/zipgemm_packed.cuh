@@ -101,14 +101,7 @@ __device__ __forceinline__ void compute(float (&acc)[NT8][4], const uint8_t* rec
       af[j] = packed_pair(lo, cw, shift, t0, t1, t2, t3);
       if (kExceptions) af[j] = patch_pair(af[j], exc, e0, e1, f, lane);
     }
-#pragma unroll
-    for (int t = 0; t < NT8; ++t) {
-      if (t * 8 < ncols) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 0));
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(sx + b_frag_smem(t, kg, lane, 1));
-        mma_bf16_16816(acc[t], af, b0, b1);
-      }
-    }
+    fused::Fused<NT8>::mma_slice(acc, af, sx, kg, lane, ncols);
   }
 }
 

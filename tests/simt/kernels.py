@@ -40,16 +40,22 @@ def decompress(mod, e) -> np.ndarray:
     return out
 
 
+def _gemm_buffers(mod, m: int, k: int, x: np.ndarray, split: int):
+    """(N, split-K parts, Y and the workspace filled with sentinels, x_vec) of a GEMM launch, as
+    kernels/cuda.py computes them."""
+    n = x.shape[0]
+    kt = -(-k // TILE)
+    parts = mod.splitk_parts(kt, max(1, min(split, kt)))
+    y = np.full((n, m), 0x7FC1, np.uint16)
+    ws = np.full(parts * n * m, np.nan, np.float32) if parts > 1 else None
+    return n, parts, y, ws, int(k % 8 == 0 and ptr(x) % 16 == 0)
+
+
 def zipgemm(mod, e, x: np.ndarray, bias: np.ndarray | None, tile_n: int, split: int) -> np.ndarray:
     """Y [N, M] (bf16 bits) = X [N, K] . W^T (+ bias) by the fused kernel (+ split-K reduction)."""
     e = weight_arrays(e)
     x = np.ascontiguousarray(x, dtype=np.uint16)
-    n = x.shape[0]
-    kt = -(-e.k // TILE)
-    parts = mod.splitk_parts(kt, max(1, min(split, kt)))
-    y = np.full((n, e.m), 0x7FC1, np.uint16)
-    ws = np.full(parts * n * e.m, np.nan, np.float32) if parts > 1 else None
-    x_vec = int(e.k % 8 == 0 and ptr(x) % 16 == 0)
+    n, parts, y, ws, x_vec = _gemm_buffers(mod, e.m, e.k, x, split)
     mod.zipgemm(ptr(x), ptr(e.bitmaps), ptr(e.base), ptr(e.offsets), ptr(e.sm), ptr(e.fb),
                 0 if bias is None else ptr(bias), ptr(y), 0 if ws is None else ptr(ws), e.m, e.k, n, tile_n, parts,
                 x_vec, 0)
@@ -62,12 +68,7 @@ PACKED = ("tiles", "luts", "exc_start", "exc")
 def zipgemm_packed(mod, pk, x: np.ndarray, bias: np.ndarray | None, tile_n: int, split: int) -> np.ndarray:
     """Y [N, M] (bf16 bits) by the byte-split-layout kernel; pk has m, k and the four arrays of a
     PackedTensor (docs/FORMAT.md appendix A). x may be an unaligned view (the general instance)."""
-    n = x.shape[0]
-    kt = -(-pk.k // TILE)
-    parts = mod.splitk_parts(kt, max(1, min(split, kt)))
-    y = np.full((n, pk.m), 0x7FC1, np.uint16)
-    ws = np.full(parts * n * pk.m, np.nan, np.float32) if parts > 1 else None
-    x_vec = int(pk.k % 8 == 0 and ptr(x) % 16 == 0)
+    n, parts, y, ws, x_vec = _gemm_buffers(mod, pk.m, pk.k, x, split)
     mod.zipgemm_packed(ptr(x), *(ptr(getattr(pk, a)) for a in PACKED), 0 if bias is None else ptr(bias), ptr(y),
                        0 if ws is None else ptr(ws), pk.m, pk.k, n, tile_n, parts, x_vec, 0)
     return y

@@ -170,8 +170,9 @@ def decode_rate(arch: str, tile_n: int) -> float:
     """Weights per SM-cycle the fused instance ``tile_n`` decodes on ``sm_<arch>``: the issue bound
     of its hot loop (4 warp instructions per SM-cycle over its instructions per weight, counted in
     the machine code) times the share of that bound the instance reached on the H200 (per tile_n:
-    0.73 for tile_n 8, lower for the wide instances); sm_90's count for an arch without one. The decompress kernel (the decoupled path) runs the same per-lane decode: it is
-    charged the tile_n 8 rate (measured on the H200: 2.1 weights per SM-cycle, the fused 1.7-2.1)."""
+    0.73 for tile_n 8, lower for the wide instances); sm_90's count for an arch without one. The
+    decompress kernel (the decoupled path) runs the same per-lane decode: it is charged the tile_n 8
+    rate (measured on the H200: 2.1 weights per SM-cycle, the fused 1.7-2.1)."""
     budget = sass_budget()
     rows = [r for r in budget.get("instances", ()) if r["kernel"] == "fused_kernel" and r["tile_n"] == tile_n]
     row = next((r for r in rows if r["arch"] == arch), None) or next((r for r in rows if r["arch"] == "90"), None)

@@ -74,7 +74,7 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
     xr = torch.randn(n_random, k, generator=g).to(torch.bfloat16).to(device)
     fails = []
 
-    def check(name: str, fn) -> None:
+    def check(name: str, fn, w=w, xo=xo, cols=cols, xr=xr) -> None:
         try:
             ok = exact_one_hot(fn(xo), w, cols) and within_f64(fn(xr), xr, w)
         except Exception as exc:  # a launch error is a failure of this instance, reported as such
@@ -112,15 +112,9 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
             xr_k = torch.randn(n_random, kk, generator=g).to(torch.bfloat16).to(device)
             for tn in ops.PACKED_TILE_NS:
                 for split in SPLITS:
-                    name = f"{PACKED} tile_n={tn} split={split} ({label})"
-                    try:
-                        ok = (exact_one_hot(ops.packed_gemm(xo_k, pt, None, tn, split), wk, cols_k)
-                              and within_f64(ops.packed_gemm(xr_k, pt, None, tn, split), xr_k, wk))
-                    except Exception as exc:
-                        fails.append(f"{name}: {type(exc).__name__}: {exc}")
-                        continue
-                    if not ok:
-                        fails.append(f"{name}: wrong outputs")
+                    check(f"{PACKED} tile_n={tn} split={split} ({label})",
+                          lambda x, pt=pt, tn=tn, split=split: ops.packed_gemm(x, pt, None, tn, split),
+                          w=wk, xo=xo_k, cols=cols_k, xr=xr_k)
     return fails
 
 
