@@ -102,7 +102,8 @@ def test_gemm_reads_every_weight_exactly(n):
     pats = _all_patterns((256, 256), seed=3).view(torch.int16)
     exp = (pats.int() >> 7) & 0xFF
     normal = torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(torch.bfloat16)
-    for w in (normal, _weight(130, 300, seed=4)):
+    # the same patterns 64 x 1024: exceptions in both 8-tile chunks of each tile row
+    for w in (normal, _weight(130, 300, seed=4), normal.reshape(64, 1024)):
         assert torch.equal(_bits(_one_hot_columns(w, n)), _bits(w))
 
 
@@ -187,6 +188,20 @@ def test_malformed_exception_lists_are_refused(kind):
         cpu_kernels.packed_decode(bad, kernel="panel")
 
 
+@needs_bf16
+def test_malformed_tile_in_a_later_chunk_is_named():
+    """Both paths walk a tile row in chunks of 8 tiles: a bad exception list in the second chunk
+    (tile (0, 12), the only tile with exceptions) is found and named."""
+    w = _weight(64, 1280, seed=5)
+    w[0, 768:776] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
+    pt = cpu_kernels.pack(w)
+    assert int(pt.exc_start[12]) == 0 and int(pt.exc_start[13]) >= 2
+    bad = _corrupt(pt, "not_ascending")
+    for n in (1, 5):
+        with pytest.raises(ValueError, match=r"tile \(0, 12\) of the byte-split layout"):
+            cpu_kernels.packed_linear(torch.ones(n, 1280, dtype=torch.bfloat16), bad, kernel="panel")
+
+
 def test_unknown_kernel_is_refused():
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
@@ -206,7 +221,10 @@ def clean_dispatch():
 def test_buckets_and_defaults(clean_dispatch, monkeypatch):
     assert [cpu_dispatch.bucket(n) for n in (1, 2, 3, 5, 9, 100, 512, 4000)] == [1, 2, 4, 8, 16, 128, 512, 512]
     monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: True)
+    monkeypatch.setattr(cpu_dispatch, "PANEL_MIN_N", 4)
     assert [cpu_dispatch.choose(n, 64, 64) for n in (1, 2, 3, 4, 600)] == ["fused", "fused", "fused", "panel", "panel"]
+    monkeypatch.setattr(cpu_dispatch, "PANEL_MIN_N", 1)  # the shipped default: panel at every N
+    assert {cpu_dispatch.choose(n, 64, 64) for n in (1, 2, 600)} == {"panel"}
     assert cpu_dispatch.candidates(1, 64, 64) == ["fused", "panel"]
     monkeypatch.setattr(cpu_dispatch, "bf16_supported", lambda: False)
     assert {cpu_dispatch.choose(n, 64, 64) for n in (1, 4, 600)} == {"fused"}
@@ -303,17 +321,18 @@ def test_real_time_fn_times_every_candidate():
 @needs_bf16
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status and sets RLIMIT_AS (Linux)")
 def test_out_of_memory_is_a_memory_error_not_a_crash():
-    """The per-thread row buffer (8 MiB here) cannot be allocated under a tight address-space limit:
-    the call raises MemoryError (in a child process, whose limit is set after everything else ran)."""
+    """The per-thread accumulator buffer (1 KiB per token: 16 MiB here) cannot be allocated under a tight
+    address-space limit: the call raises MemoryError (in a child process, whose limit is set after
+    everything else ran)."""
     import subprocess
     import sys
 
     probe = """
 import resource, torch
 from zipserv_vllm.kernels import cpu as ck
-w = (torch.randn(64, 65536) * 0.02).bfloat16()
+w = (torch.randn(64, 64) * 0.02).bfloat16()
 pt = ck.pack(w, threads=1)
-x = torch.randn(8, 65536).bfloat16()
+x = torch.randn(16384, 64).bfloat16()
 ck.packed_linear(x[:1], pt, kernel="fused", threads=1)
 vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))

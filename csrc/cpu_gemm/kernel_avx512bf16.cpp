@@ -4,23 +4,29 @@
 // limited to this file; chosen only when the CPU reports every feature
 // (avx512bf16_supported()) and the dispatcher picks it (kernels/cpu_dispatch.py).
 //
-// Per work item (a tile row, 64 weight rows = 4 panels of 16 rows, each one
-// medium tile row across all of K):
-//   1. decode: every FT of the panel is rebuilt in 512-bit registers (low
+// Per tile row (64 weight rows = 4 panels of 16 rows, each one medium tile
+// row), walked in chunks of kChunk = 8 tiles (512 columns):
+//   1. decode: every FT of the chunk is rebuilt in 512-bit registers (low
 //      bytes loaded, 4-bit codes through the tile's table by one vpshufb,
 //      bytes interleaved into words), the tile's exceptions patched in, and
-//      stored to a per-thread BF16 row buffer (64 rows x Kp x 2 bytes: 512
-//      KiB at K = 4096, L2-resident), the records walked sequentially. Each
-//      weight is decoded once per call, whatever the number of tokens.
+//      stored to a per-thread BF16 buffer (64 rows x 512 columns: 64 KiB),
+//      the records walked sequentially. Each weight is decoded once per call,
+//      whatever the number of tokens.
 //   2. multiply: tokens in register blocks of up to 6; for every 8 columns,
 //      4 panel vectors (16 rows x 8 columns) and one 128-bit broadcast of each
-//      token's 8 activations feed 4 vdpbf16ps per token. Accumulator lane
-//      (row, column pair c) sums the products of columns 2c, 2c + 1 of every
-//      8-column group in increasing k. The first token block of each panel
-//      prefetches the next tile row's records into L2, so that the weight
-//      stream overlaps the multiply.
+//      token's 8 activations feed 4 vdpbf16ps per token, into fp32
+//      accumulators kept per thread across the chunks ([4 panels][n][64]).
+//      Accumulator lane (row, column pair c) sums the products of columns
+//      2c, 2c + 1 of every 8-column group in increasing k. The first token
+//      block of each panel prefetches the next chunk's records into L2 (a
+//      quarter per panel), so that the weight stream overlaps the multiply.
 //   3. y = the 4 lanes of a row summed ((l0 + l1) + (l2 + l3)), + bias, RNE to
 //      bf16 (any NaN -> 0x7FC0).
+// The chunk size is measured (2-core Zen 4): a whole tile row per step (the
+// earlier design: a 512 KiB buffer and the next row, 384 KiB, prefetched)
+// left the prefetches competing with the buffer for L2, and the kernel
+// reached ~17 of the ~40 GB/s the two cores can read; 8-tile chunks run
+// 1.2-1.6x faster at 1-16 tokens (docs/CPU.md).
 //
 // Numerics (docs/CPU.md, "Numerical bounds"): vdpbf16ps multiplies BF16
 // pairs exactly in fp32 and adds them to the accumulator with round to
@@ -32,7 +38,7 @@
 // With at most 4 tokens the row buffer is skipped (stream_gemm_rows below):
 // each FT is decoded into registers and consumed at once.
 //
-// The panel buffer is also the seam for other multipliers (an AMX BF16 tile
+// The chunk buffer is also the seam for other multipliers (an AMX BF16 tile
 // kernel would read the same panels).
 #include <algorithm>
 #include <atomic>
@@ -62,26 +68,28 @@ constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // next-row lines p
 
 std::atomic<bool> g_alloc_failed{false};
 
-// Per-thread panel buffer, grown on demand (never freed while the thread lives).
-struct PanelBuf {
-  uint16_t* p = nullptr;
+// Per-thread buffer of T, grown on demand (never freed while the thread lives).
+template <class T>
+struct ThreadBuf {
+  T* p = nullptr;
   size_t cap = 0;
-  ~PanelBuf() { std::free(p); }
-  uint16_t* get(size_t words) {
-    if (words > cap) {
+  ~ThreadBuf() { std::free(p); }
+  T* get(size_t count) {
+    if (count > cap) {
       std::free(p);
-      p = static_cast<uint16_t*>(std::aligned_alloc(64, (words * 2 + 63) / 64 * 64));
+      p = static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64));
       if (p == nullptr) {  // out of memory: the caller reports it (no exception may leave an OpenMP region)
         cap = 0;
         g_alloc_failed.store(true);
         return nullptr;
       }
-      cap = words;
+      cap = count;
     }
     return p;
   }
 };
-thread_local PanelBuf panel_buf;
+thread_local ThreadBuf<uint16_t> panel_buf;  // decoded panels (BF16)
+thread_local ThreadBuf<float> acc_buf;       // the buffered path's accumulators [4 panels][n][4][16]
 
 // Word index, inside its FT's 64 buffer words, of FT position p = 8 r + c:
 // vector v = r & 1 (rows 0, 2, 4, 6 / 1, 3, 5, 7), its 128-bit lane r >> 1.
@@ -111,7 +119,7 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
 #pragma GCC unroll 6
     for (int t = 0; t < NB; ++t)
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[s][t][j] = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) acc[s][t][j] = s == 0 ? _mm512_load_ps(out + (t * 4 + j) * 16) : _mm512_setzero_ps();
   int64_t g = 0;
   for (; g + S <= groups; g += S) {
     if (pf) {
@@ -149,7 +157,7 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
     for (int j = 0; j < 4; ++j) {
       __m512 a = acc[0][t][j];
       if (S == 2) a = _mm512_add_ps(a, acc[S - 1][t][j]);
-      _mm512_storeu_ps(out + (t * 4 + j) * 16, a);
+      _mm512_store_ps(out + (t * 4 + j) * 16, a);
     }
 }
 
@@ -199,39 +207,39 @@ inline __m512i tile_lut(const Packed& w, int64_t g) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
 }
 
-// Step 1 for tile row tm: checks its tiles and decodes them, a sequential walk
-// of their records, medium tile mm of tile tk into panel mm at
-// buf + (mm * kt + tk) * kMediumWords. Returns the first malformed tile, or -1.
-int64_t decode_row(const Packed& w, int64_t tm, uint16_t* buf) {
-  const int64_t kt = w.kt;
-  const int64_t bad_range = bad_range_in_row(w, tm);
-  if (bad_range >= 0) return bad_range;
-  for (int64_t tk = 0; tk < kt; ++tk) {
-    const int64_t g = tm * kt + tk;
+// Step 1 for tiles g0 .. g0 + tn - 1 of one tile row: checks them and decodes
+// them, a sequential walk of their records, medium tile mm of tile g0 + tc
+// into panel mm at buf + (mm * tn + tc) * kMediumWords. Returns the first
+// malformed tile, or -1.
+int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
+  for (int64_t g = g0; g < g0 + tn; ++g)
+    if (!packed_tile_ok(w, g)) return g;
+  for (int64_t tc = 0; tc < tn; ++tc) {
+    const int64_t g = g0 + tc;
     const __m512i lut = tile_lut(w, g);
     const uint32_t* e = w.exc + w.exc_start[g];
     const uint32_t* e_end = w.exc + w.exc_start[g + 1];
     int64_t prev = -1;
     bool ordered = true;
     for (int mm = 0; mm < 4; ++mm)
-      ordered &= decode_medium(w, g, mm, lut, buf + (mm * kt + tk) * kMediumWords, e, e_end, prev);
+      ordered &= decode_medium(w, g, mm, lut, buf + (mm * tn + tc) * kMediumWords, e, e_end, prev);
     // every entry belonged to the tile (d < 4096), in ascending order
     if (!ordered || e != e_end) return g;
   }
   return -1;
 }
 
-// Step 3 for nb tokens (t0 ..) of the panel whose first row is row0: part holds
-// [nb][4 vectors][16 lanes]; lane l of vector j is row (j >> 1) * 8 + 2 (l >> 2)
+// Step 3 for the n tokens of the panel whose first row is row0: part holds
+// [n][4 vectors][16 lanes]; lane l of vector j is row (j >> 1) * 8 + 2 (l >> 2)
 // + (j & 1), column pair l & 3.
-void finish_panel(const Bf16GemmJob& job, const float* part, int64_t nb, int64_t row0, int64_t t0) {
+void finish_panel(const Bf16GemmJob& job, const float* part, int64_t n, int64_t row0) {
   const int64_t m = job.w.m;
-  for (int64_t t = 0; t < nb; ++t)
+  for (int64_t t = 0; t < n; ++t)
     for (int j = 0; j < 4; ++j) {
       const float* a = part + (t * 4 + j) * 16;
       for (int l = 0; l < 4; ++l) {
         const int64_t row = row0 + (j >> 1) * 8 + 2 * l + (j & 1);
-        if (row < m) job.y[(t0 + t) * m + row] = finish_output(a + 4 * l, job.bias, row);
+        if (row < m) job.y[t * m + row] = finish_output(a + 4 * l, job.bias, row);
       }
     }
 }
@@ -249,7 +257,7 @@ void finish_panel(const Bf16GemmJob& job, const float* part, int64_t nb, int64_t
 // tokens on the buffered path use two accumulator sets per lane, the streaming
 // path one), as with any fast-mode kernel.
 constexpr int kStreamNb = 4;
-constexpr int64_t kChunk = 64;  // tiles: 384 KiB of records, twice that in L2 with the next chunk
+constexpr int64_t kChunk = 8;  // tiles per step of both paths: 48 KiB of records (measured: 4 and 8 alike, 16 slower, 64 1.2-1.6x slower)
 
 template <int NB>
 __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* luts, int64_t g0, int64_t tn, int mm,
@@ -352,40 +360,40 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
         kStreamPass[n](w.tiles, w.luts, g0, tn, mm, job.x + c0 * kTile, job.kp, patched[mm],
                        next + mm * tn * (16 * kPkFtBytes), acc[mm]);
     }
-    for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc[mm], n, tm * kTile + mm * kPanelRows, 0);
+    for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc[mm], n, tm * kTile + mm * kPanelRows);
   }
 }
 
 void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
-  if (job.n <= kStreamNb) {  // measured: 10-30 % faster than the buffered path at 1-4 tokens, even at 8
+  if (job.n <= kStreamNb) {
     stream_gemm_rows(job, tm0, tm1);
     return;
   }
   const Packed& w = job.w;
-  const int64_t kt = w.kt, n = job.n, groups = kt * 8;
-  uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
-  if (buf == nullptr) return;
-  alignas(64) float part[kMaxNb * 4 * 16];
+  const int64_t kt = w.kt, n = job.n;
+  uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kChunk * kMediumWords));
+  float* acc = acc_buf.get(static_cast<size_t>(4 * n * 64));
+  if (buf == nullptr || acc == nullptr) return;
   for (int64_t tm = tm0; tm < tm1; ++tm) {
-    const int64_t bad = decode_row(w, tm, buf);  // 1.
-    if (bad >= 0) {
-      report_bad(job.bad_tile, bad);
-      return;
-    }
-    // 2. multiply each panel with every token block; the first block of panel
-    //    mm prefetches the next row's records (its quarter of them) into L2,
-    //    so that they stream in while the multiply computes
-    const char* next = tm + 1 < tm1 ? reinterpret_cast<const char*>(w.tiles + (tm + 1) * kt * kPkTileBytes) : nullptr;
-    for (int mm = 0; mm < 4; ++mm) {
-      const uint16_t* pbuf = buf + mm * kt * kMediumWords;
-      const int64_t row0 = tm * kTile + mm * kPanelRows;
-      for (int64_t t0 = 0; t0 < n; t0 += kMaxNb) {
-        const int64_t nb = std::min<int64_t>(kMaxNb, n - t0);
-        const char* pf = next && t0 == 0 ? next + mm * kt * (kPkTileBytes / 4) : nullptr;
-        panel_tokens(pbuf, groups, job.x + t0 * job.kp, job.kp, nb, pf, part);
-        finish_panel(job, part, nb, row0, t0);  // 3.
+    std::memset(acc, 0, static_cast<size_t>(4 * n * 64) * sizeof(float));
+    for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
+      const int64_t tn = std::min<int64_t>(kChunk, kt - c0), g0 = tm * kt + c0;
+      const int64_t bad = decode_tiles(w, g0, tn, buf);  // 1.
+      if (bad >= 0) {
+        report_bad(job.bad_tile, bad);
+        return;
+      }
+      const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
+      for (int mm = 0; mm < 4; ++mm) {
+        const uint16_t* pbuf = buf + mm * tn * kMediumWords;
+        for (int64_t t0 = 0; t0 < n; t0 += kMaxNb) {
+          const int64_t nb = std::min<int64_t>(kMaxNb, n - t0);
+          const char* pf = t0 == 0 ? next + mm * tn * (kPkTileBytes / 4) : nullptr;
+          panel_tokens(pbuf, tn * 8, job.x + t0 * job.kp + c0 * kTile, job.kp, nb, pf, acc + (mm * n + t0) * 64);
+        }
       }
     }
+    for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc + mm * n * 64, n, tm * kTile + mm * kPanelRows);  // 3.
   }
 }
 
@@ -396,7 +404,7 @@ void bf16_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) {
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
   if (buf == nullptr) return;
   for (int64_t tm = tm0; tm < tm1; ++tm) {
-    const int64_t bad = decode_row(w, tm, buf);
+    const int64_t bad = decode_tiles(w, tm * kt, kt, buf);
     if (bad >= 0) {
       report_bad(job.bad_tile, bad);
       return;

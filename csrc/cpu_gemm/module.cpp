@@ -219,7 +219,7 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
     const Bf16GemmJob job{w, xs, n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
     const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
     // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
-    // the next row of its run while it multiplies the current one.
+    // the next chunk of records (across row ends) while it multiplies the current one.
     const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
     auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
     parallel_for(items, threads, body);
