@@ -243,3 +243,38 @@ def test_embedding_from_packed_table():
     assert torch.equal(_bits(compressed_embedding(ids, pt, 420)), _bits(want))
     sub = pt.select_tile_rows(torch.tensor([0, 2, 4]), 64 * 2 + 300 - 256)
     assert torch.equal(_bits(cpu_kernels.packed_decode(sub)), _bits(torch.cat([w[:64], w[128:192], w[256:]])))
+
+
+def test_native_embedding_lookup_every_pattern_and_edge():
+    """The one-call CPU lookup (cpu_kernels.packed_embedding, what zipserv::packed_embedding runs on
+    the CPU) returns every BF16 pattern bit for bit: all 65,536 as a 1024 x 64 table, rows read in a
+    shuffled order with repeats, int32 and int64 ids, ids clamped like F.embedding(ids.clamp(0, rows - 1)),
+    the vocabulary padding rows zero, a 3-D ids shape and no ids at all."""
+    w = _all_patterns((1024, 64), seed=7)
+    pt = cpu_kernels.pack(w)
+    table = torch.cat([w, torch.zeros(50, 64, dtype=torch.bfloat16)])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.randperm(1024, generator=g), torch.randint(0, 1074, (300,), generator=g),
+                     torch.tensor([-5, 1073, 5000, 1023, 1024, 0])])
+    want = F.embedding(ids.clamp(0, 1073), table)
+    for dt in (torch.int64, torch.int32):
+        for threads in (1, 2):
+            got = cpu_kernels.packed_embedding(ids.to(dt), pt, 1074, threads=threads)
+            assert torch.equal(_bits(got), _bits(want))
+    ids3 = ids[:24].reshape(2, 3, 4)
+    assert torch.equal(_bits(compressed_embedding(ids3, pt, 1074)), _bits(F.embedding(ids3.clamp(0, 1073), table)))
+    assert compressed_embedding(torch.zeros(0, dtype=torch.int64), pt, 1074).shape == (0, 64)
+
+
+def test_native_embedding_names_a_malformed_touched_tile():
+    w = _mixed_weight(300, 70)
+    pt = cpu_kernels.pack(w)
+    start = pt.exc_start.clone()
+    start[-1] += 1  # the last tile's range runs past the exception list: tile (4, 1)
+    bad = L.PackedTensor(pt.shape, pt.tiles, pt.luts, start, pt.exc)
+    assert torch.equal(_bits(cpu_kernels.packed_embedding(torch.tensor([0, 70]), bad)), _bits(w[[0, 70]]))
+    with pytest.raises(ValueError, match=r"tile \(4, 1\) of the byte-split layout"):
+        cpu_kernels.packed_embedding(torch.tensor([0, 299]), bad)
+    with pytest.raises(ValueError, match="rows"):
+        cpu_kernels.packed_embedding(torch.tensor([0]), pt, 10)
+

@@ -10,11 +10,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <atomic>
 #include <new>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zipserv/cpu_gemm.h"
@@ -191,6 +194,66 @@ void packed_decode(const py::array& tiles, const py::array& luts, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
+// out[i] = row ids[i] of W (ids clamped to [0, rows); rows m .. rows - 1 are
+// vocabulary padding: zeros), bit for bit: only the tile rows the ids touch
+// are decoded, each once, by the byte-split decoder of kernel kern, into a
+// per-item scratch of 64 rows (a view of W holding that tile row).
+void packed_embedding(const py::array& ids, const py::array& tiles, const py::array& luts,
+                      const py::array& exc_start, const py::array& exc, int64_t m, int64_t k, int64_t rows,
+                      py::array out, int threads, const std::string& isa) {
+  const Kernel kern = pick(isa);
+  const Packed w = packed(tiles, luts, exc_start, exc, m, k);
+  if (rows < m) throw std::invalid_argument("rows (" + std::to_string(rows) + ") must be at least the table's " +
+                                            std::to_string(m));
+  check(ids, "ids", "i", 8, {-1});
+  const int64_t n = ids.shape(0);
+  check(out, "out", "ui", 2, {n, k});
+  if (!out.writeable()) throw std::invalid_argument("out must be writeable");
+  const int64_t* id = static_cast<const int64_t*>(ids.data());
+  uint16_t* y = static_cast<uint16_t*>(out.mutable_data());
+  std::atomic<int64_t> bad{-1};
+  {
+    py::gil_scoped_release nogil;
+    std::vector<std::pair<int64_t, int64_t>> order;  // (row, i) of the ids inside W, sorted by row
+    order.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = std::min(std::max<int64_t>(id[i], 0), rows - 1);
+      if (r < m)
+        order.emplace_back(r, i);
+      else
+        std::memset(y + i * k, 0, static_cast<size_t>(k) * 2);
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<size_t> group;  // start of each tile row's run in order
+    for (size_t j = 0; j < order.size(); ++j)
+      if (j == 0 || order[j].first / kTile != order[j - 1].first / kTile) group.push_back(j);
+    group.push_back(order.size());
+    auto body = [&](int64_t a, int64_t b) {
+      std::vector<uint16_t> scratch(static_cast<size_t>(kTile * k));
+      for (int64_t gi = a; gi < b; ++gi) {
+        const int64_t tm = order[group[gi]].first / kTile;
+        Packed v = w;  // tile row tm alone
+        v.tiles += tm * w.kt * kPkTileBytes;
+        v.luts += tm * w.kt * kPkLutEntries;
+        v.exc_start += tm * w.kt;
+        v.m = std::min<int64_t>(kTile, m - tm * kTile);
+        v.mt = 1;
+        std::atomic<int64_t> vbad{-1};
+        kern.packed_decode_rows(DecodeJobT<Packed>{v, scratch.data(), &vbad}, 0, 1);
+        if (vbad.load() >= 0) {
+          report_bad(&bad, tm * w.kt + vbad.load());
+          continue;
+        }
+        for (size_t j = group[gi]; j < group[gi + 1]; ++j)
+          std::memcpy(y + order[j].second * k, scratch.data() + (order[j].first - tm * kTile) * k,
+                      static_cast<size_t>(k) * 2);
+      }
+    };
+    parallel_for(static_cast<int64_t>(group.size()) - 1, threads, body);
+  }
+  raise_bad(bad.load(), w.kt, kPackedBad);
+}
+
 constexpr int64_t kBf16Rows = 4;
 
 // y = x . W^T + bias by the AVX512-BF16 kernel (vdpbf16ps; not bit-identical to
@@ -226,6 +289,106 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   }
   if (avx512bf16_alloc_failed()) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
   raise_bad(bad.load(), w.kt, kPackedBad);
+}
+
+// ---- one MoE layer's routed experts in one call (AVX512-BF16 panel kernel) ----
+// Expert weights come as a table of addresses, [E][5] int64: tiles, luts,
+// exc_start, exc, exc_len of each expert's byte-split PackedTensor (w13:
+// 2I x H, gate rows then up rows; w2: H x I). The caller (vllm_plugin/moe.py)
+// builds it from the layer's validated tensors and keeps them alive.
+Packed expert_view(const int64_t* row, int64_t m, int64_t k) {
+  return Packed{reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint8_t*>(row[1]),
+                reinterpret_cast<const int64_t*>(row[2]), reinterpret_cast<const uint32_t*>(row[3]), row[4],
+                m, k, tile_count(m), tile_count(k)};
+}
+
+// Y[rows of e] = X[rows of e] . W_e^T for every expert with rows, as one
+// parallel loop over (expert, run of kBf16Rows tile rows) items; false, with
+// (expert, tile) in bad_e / bad_g, when a tile is malformed.
+bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, int64_t m, int64_t k,
+                  const uint16_t* x, uint16_t* y, int threads, int64_t& bad_e, int64_t& bad_g) {
+  std::vector<std::atomic<int64_t>> bad(static_cast<size_t>(e_count));
+  std::vector<Bf16GemmJob> jobs;
+  std::vector<std::array<int64_t, 3>> items;  // (job, tm0, tm1)
+  jobs.reserve(static_cast<size_t>(e_count));
+  for (int64_t e = 0; e < e_count; ++e) {
+    bad[e].store(-1);
+    const int64_t n = bounds[e + 1] - bounds[e];
+    if (n == 0) continue;
+    const Packed w = expert_view(table + 5 * e, m, k);
+    jobs.push_back(Bf16GemmJob{w, x + bounds[e] * k, n, k, nullptr, y + bounds[e] * m, &bad[e]});
+    for (int64_t tm = 0; tm < w.mt; tm += kBf16Rows)
+      items.push_back({static_cast<int64_t>(jobs.size()) - 1, tm, std::min(tm + kBf16Rows, w.mt)});
+  }
+  const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
+  auto body = [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) fn(jobs[items[i][0]], items[i][1], items[i][2]);
+  };
+  parallel_for(static_cast<int64_t>(items.size()), threads, body);
+  for (int64_t e = 0; e < e_count; ++e)
+    if (bad[e].load() >= 0) {
+      bad_e = e;
+      bad_g = bad[e].load();
+      return false;
+    }
+  return true;
+}
+
+// y = the routed experts' outputs, row r of xs (rows grouped by expert,
+// bounds[e] .. bounds[e + 1] for expert e) through its expert:
+// h = xs . W13_e^T (bf16), act = bf16(silu(gate) * up) in fp32, y = act . W2_e^T.
+// Fast mode (the panel kernel's numerics); H and I multiples of 64.
+void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::array& w13, const py::array& w2,
+                      int64_t inter, int64_t hidden, py::array h, py::array act, py::array y, int threads) {
+  if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
+  if (inter < 1 || hidden < 1 || inter % kTile || hidden % kTile)
+    throw std::invalid_argument("hidden and intermediate sizes must be positive multiples of 64");
+  check(bounds, "bounds", "i", 8, {-1});
+  const int64_t e_count = bounds.shape(0) - 1;
+  const int64_t* bd = static_cast<const int64_t*>(bounds.data());
+  if (e_count < 1 || bd[0] != 0) throw std::invalid_argument("bounds must start at 0 and name at least one expert");
+  for (int64_t e = 0; e < e_count; ++e)
+    if (bd[e + 1] < bd[e]) throw std::invalid_argument("bounds must not decrease");
+  const int64_t r = bd[e_count];
+  check(xs, "xs", "ui", 2, {r, hidden});
+  check(w13, "w13", "i", 8, {e_count, 5});
+  check(w2, "w2", "i", 8, {e_count, 5});
+  check(h, "h", "ui", 2, {r, 2 * inter});
+  check(act, "act", "ui", 2, {r, inter});
+  check(y, "y", "ui", 2, {r, hidden});
+  if (!h.writeable() || !act.writeable() || !y.writeable()) throw std::invalid_argument("h, act and y must be writeable");
+  if (r == 0) return;
+  const int64_t* t13 = static_cast<const int64_t*>(w13.data());
+  const int64_t* t2 = static_cast<const int64_t*>(w2.data());
+  uint16_t* hp = static_cast<uint16_t*>(h.mutable_data());
+  uint16_t* ap = static_cast<uint16_t*>(act.mutable_data());
+  int64_t bad_e = -1, bad_g = -1;
+  const char* which = "w13";
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = experts_gemm(t13, bd, e_count, 2 * inter, hidden, static_cast<const uint16_t*>(xs.data()), hp, threads,
+                      bad_e, bad_g);
+    if (ok) {
+      auto silu_mul = [&](int64_t a, int64_t b) {
+        for (int64_t row = a; row < b; ++row)
+          for (int64_t i = 0; i < inter; ++i) {
+            const float g = bf16_to_float(hp[row * 2 * inter + i]), u = bf16_to_float(hp[row * 2 * inter + inter + i]);
+            ap[row * inter + i] = float_to_bf16(g / (1.0f + std::exp(-g)) * u);
+          }
+      };
+      parallel_for(r, threads, silu_mul);
+      which = "w2";
+      ok = experts_gemm(t2, bd, e_count, hidden, inter, ap, static_cast<uint16_t*>(y.mutable_data()), threads,
+                        bad_e, bad_g);
+    }
+  }
+  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
+  if (!ok) {
+    const int64_t kt = tile_count(std::string(which) == "w13" ? hidden : inter);
+    throw std::invalid_argument("expert " + std::to_string(bad_e) + " (" + which + "): tile (" +
+                                std::to_string(bad_g / kt) + ", " + std::to_string(bad_g % kt) + ") " + kPackedBad);
+  }
 }
 
 void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py::array& exc_start,
@@ -292,6 +455,13 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("packed_decode", &packed_decode, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"),
           py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"), py::arg("isa"),
           "Decode W[m, k] from the byte-split layout with the kernels' tile decoder");
+  mod.def("moe_experts_bf16", &moe_experts_bf16, py::arg("xs"), py::arg("bounds"), py::arg("w13"), py::arg("w2"),
+          py::arg("inter"), py::arg("hidden"), py::arg("h"), py::arg("act"), py::arg("y"), py::arg("threads"),
+          "One MoE layer's routed experts (w13, SiLU x up, w2) by the AVX512-BF16 panel kernel, one call");
+  mod.def("packed_embedding", &packed_embedding, py::arg("ids"), py::arg("tiles"), py::arg("luts"),
+          py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("rows"), py::arg("out"),
+          py::arg("threads"), py::arg("isa"),
+          "out[i] = row ids[i] of W (clamped to [0, rows); rows >= m are zeros): only the touched tile rows decoded");
   mod.def("bf16_supported", &avx512bf16_supported, "Whether this CPU has AVX512-BF16 (vdpbf16ps)");
   mod.def("packed_gemm_bf16", &packed_gemm_bf16, py::arg("x"), py::arg("tiles"), py::arg("luts"),
           py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"),

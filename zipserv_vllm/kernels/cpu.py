@@ -314,6 +314,64 @@ def packed_decode(pt: PackedTensor, *, isa: str | None = None, threads: int | No
     return out
 
 
+def packed_embedding(ids: torch.Tensor, pt: PackedTensor, rows: int | None = None, *, isa: str | None = None,
+                     threads: int | None = None) -> torch.Tensor:
+    """``F.embedding(ids, W)`` for W in the byte-split layout, bit for bit: only the tile rows the ids
+    touch are decoded (ids clamped to ``[0, rows)``; rows ``M .. rows - 1`` are zeros, vLLM's
+    vocabulary padding)."""
+    _need()
+    m, k = pt.shape
+    rows = m if rows is None else int(rows)
+    flat = _c(ids.reshape(-1).to(torch.int64))
+    out = torch.empty((flat.numel(), k), dtype=torch.bfloat16)
+    _cpu_gemm.packed_embedding(flat.numpy(), _c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
+                               _c(pt.exc).numpy(), int(m), int(k), rows, _u16(out), _threads(threads),
+                               isa or _isa_override or "auto")
+    return out.reshape(*ids.shape, k)
+
+
+# ------------------------------------------------------- MoE experts, one call
+def expert_table(parts: list, shape: tuple[int, int]) -> np.ndarray | None:
+    """The address table ``moe_experts`` takes for experts ``parts`` (all PackedTensors of ``shape``
+    on the CPU, contiguous, with the layout's dtypes and array shapes), or None where one is not.
+    The caller keeps ``parts`` alive while it uses the table."""
+    from ..format.cpu_layout import LUT_ENTRIES, TILE_BYTES, grid
+
+    mt, kt = grid(*shape)
+    rows = []
+    for p in parts:
+        if not isinstance(p, PackedTensor) or tuple(p.shape) != tuple(shape) or p.tiles.device.type != "cpu":
+            return None
+        a = (p.tiles, p.luts, p.exc_start, p.exc)
+        if not all(t.is_contiguous() for t in a) or (p.tiles.dtype, p.luts.dtype, p.exc_start.dtype) != (
+                torch.uint8, torch.uint8, torch.int64) or p.exc.dtype not in (torch.int32, torch.uint32):
+            return None
+        if (tuple(p.tiles.shape) != (mt, kt, TILE_BYTES) or tuple(p.luts.shape) != (mt, kt, LUT_ENTRIES)
+                or tuple(p.exc_start.shape) != (mt * kt + 1,) or p.exc.dim() != 1):
+            return None
+        rows.append([t.data_ptr() for t in a] + [p.exc.numel()])
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+
+
+def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.ndarray, inter: int, *,
+                threads: int | None = None) -> torch.Tensor:
+    """One MoE layer's routed experts in one native call (AVX512-BF16 panel kernel, fast mode):
+    rows ``xs`` grouped by expert (``counts[e]`` rows for expert e), through w13 (gate rows then up
+    rows), bf16(silu(gate) * up) in fp32, and w2. ``w13`` / ``w2``: :func:`expert_table`s."""
+    _need()
+    if not bf16_supported():
+        raise ValueError("moe_experts needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    r, hidden = xs.shape
+    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    h = torch.empty((r, 2 * inter), dtype=torch.bfloat16)
+    act = torch.empty((r, inter), dtype=torch.bfloat16)
+    y = torch.empty((r, hidden), dtype=torch.bfloat16)
+    _cpu_gemm.moe_experts_bf16(_u16(_c(xs)), bounds, w13, w2, int(inter), int(hidden), _u16(h), _u16(act), _u16(y),
+                               _threads(threads))
+    return y
+
+
 def fused_linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None, *,
                  isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """``F.linear(x, decompress_tensor(ct), bias)`` by the fused kernel."""

@@ -8,7 +8,9 @@ matrix and ``W_padded`` appends ``rows - m`` zero rows (vLLM pads the vocabulary
 of an embedding layer; padding ids read zeros). Ids outside ``[0, rows)`` are
 clamped like the plugin did before (vLLM never sends them).
 
-Only the 64-row tile rows that the ids touch are decoded: the set of touched
+Only the 64-row tile rows that the ids touch are decoded (on the CPU from the
+byte-split layout: one native call, ``cpu_kernels.packed_embedding``, a decode
+step's lookup in microseconds instead of ~0.9 ms of small torch ops): the set of touched
 tile rows is data dependent (``torch.unique``), which torch.compile cannot
 trace; inside a custom op it is opaque, and the fake implementation gives the
 output shape from the ids' shape alone, so graphs with the lookup trace
@@ -73,13 +75,17 @@ def _(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
 @torch.library.custom_op("zipserv::packed_embedding", mutates_args=())
 def packed_embedding(ids: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
                      exc: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
+    from . import cpu as cpu_kernels
     from .ops import packed_decompress
+
+    _check_ids(ids, m, rows)
+    if tiles.device.type == "cpu" and cpu_kernels.available():  # one native call (a decode step's lookup: µs)
+        return cpu_kernels.packed_embedding(ids, PackedTensor((m, k), tiles, luts, exc_start, exc), rows)
 
     def decode_rows(idx, sub_m):
         sub = PackedTensor((m, k), tiles, luts, exc_start, exc).select_tile_rows(idx, sub_m)
         return packed_decompress(sub.tiles, sub.luts, sub.exc_start, sub.exc, sub_m, k)
 
-    _check_ids(ids, m, rows)
     return _lookup(ids, decode_rows, tiles.device, m, k, rows)
 
 
@@ -91,6 +97,13 @@ def _(ids, tiles, luts, exc_start, exc, m, k, rows):
 def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor | PackedTensor, rows: int | None = None) -> torch.Tensor:
     """``F.embedding(ids, W)`` for the compressed (or CPU-packed) ``ct`` (``rows - m`` zero padding rows)."""
     m, k = ct.shape
+    rows = m if rows is None else rows
     if isinstance(ct, PackedTensor):
-        return packed_embedding(ids, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, m if rows is None else rows)
-    return embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, m if rows is None else rows)
+        if ct.tiles.device.type == "cpu" and not torch.compiler.is_compiling():
+            from . import cpu as cpu_kernels
+
+            if cpu_kernels.available():  # eager: the native lookup directly (the op dispatcher costs ~60 µs)
+                _check_ids(ids, m, rows)
+                return cpu_kernels.packed_embedding(ids, ct, rows)
+        return packed_embedding(ids, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, rows)
+    return embedding(ids, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, rows)
