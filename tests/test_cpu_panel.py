@@ -345,3 +345,63 @@ except MemoryError:
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RESULT MemoryError" in r.stdout
+
+
+# ------------------------------------------------------------------ MoE experts in one call
+def _experts(n_exp, hidden, inter, seed):
+    w13 = [_weight(2 * inter, hidden, seed=seed + e) for e in range(n_exp)]
+    w2 = [_weight(hidden, inter, seed=seed + 100 + e) for e in range(n_exp)]
+    w13[1][3, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()  # exceptions
+    return [cpu_kernels.pack(w) for w in w13], [cpu_kernels.pack(w) for w in w2]
+
+
+@needs_bf16
+def test_moe_experts_one_call_matches_per_expert_panel_gemms():
+    """cpu_kernels.moe_experts (one native call: every expert's w13, SiLU x up, w2) gives each row what
+    the per-expert path gives (panel GEMMs per expert, torch's SiLU): the GEMMs are the same kernel on
+    the same rows, so only SiLU's last-ulp rounding may differ; an empty expert is skipped; the thread
+    count does not change the bits."""
+    hidden, inter, counts = 128, 192, [3, 0, 1, 6]
+    p13, p2 = _experts(4, hidden, inter, seed=20)
+    t13, t2 = cpu_kernels.expert_table(p13, (2 * inter, hidden)), cpu_kernels.expert_table(p2, (hidden, inter))
+    xs = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = cpu_kernels.moe_experts(xs, counts, t13, t2, inter, threads=1)
+    assert torch.equal(_bits(cpu_kernels.moe_experts(xs, counts, t13, t2, inter, threads=2)), _bits(y))
+    ref, r0 = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            h = cpu_kernels.packed_linear(xs[r0:r0 + c], p13[e], kernel="panel")
+            act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).bfloat16()
+            ref.append(cpu_kernels.packed_linear(act, p2[e], kernel="panel"))
+        r0 += c
+    ref = torch.cat(ref)
+    assert bool(torch.isfinite(ref).all()) and float(ref.float().abs().max()) > 0
+    assert torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=1e-3)
+    assert float((_bits(y) == _bits(ref)).float().mean()) > 0.95
+    # a wrong expert order would not be close: swapping two experts' tables moves the rows
+    swapped = cpu_kernels.moe_experts(xs, counts, t13[[3, 1, 2, 0]], t2[[3, 1, 2, 0]], inter)
+    assert not torch.allclose(swapped.float(), ref.float(), rtol=2e-2, atol=1e-3)
+
+
+@needs_bf16
+def test_moe_experts_refuses_bad_input():
+    hidden, inter = 64, 64
+    p13, p2 = _experts(3, hidden, inter, seed=40)
+    t13, t2 = cpu_kernels.expert_table(p13, (2 * inter, hidden)), cpu_kernels.expert_table(p2, (hidden, inter))
+    assert cpu_kernels.expert_table(p13, (hidden, inter)) is None  # wrong shape
+    assert cpu_kernels.expert_table([p13[0], None], (2 * inter, hidden)) is None  # an expert not byte-split
+    odd = L.PackedTensor(p13[0].shape, p13[0].tiles, p13[0].luts, p13[0].exc_start, p13[0].exc.to(torch.int64))
+    assert cpu_kernels.expert_table([odd], (2 * inter, hidden)) is None  # exception entries of the wrong width
+    xs = torch.ones(4, hidden, dtype=torch.bfloat16)
+    start = p2[2].exc_start.clone()
+    start[-1] += 1  # expert 2's w2: its only tile's range runs past the exception list
+    bad2 = list(p2)
+    bad2[2] = L.PackedTensor(p2[2].shape, p2[2].tiles, p2[2].luts, start, p2[2].exc)
+    tb = cpu_kernels.expert_table(bad2, (hidden, inter))
+    with pytest.raises(ValueError, match=r"expert 2 \(w2\): tile \(0, 0\) of the byte-split layout"):
+        cpu_kernels.moe_experts(xs, [1, 1, 2], t13, tb, inter)
+    cpu_kernels.moe_experts(xs, [2, 2, 0], t13, tb, inter)  # expert 2 has no rows: its tiles are not read
+    with pytest.raises(ValueError, match="multiples of 64"):
+        cpu_kernels.moe_experts(xs, [4, 0, 0], t13, t2, 32)
+    with pytest.raises(ValueError):
+        cpu_kernels.moe_experts(xs, [1, 1, 1], t13, t2, inter)  # 3 rows counted, 4 given

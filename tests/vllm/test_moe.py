@@ -128,14 +128,23 @@ def test_tp2_split_off_the_tiles_is_reencoded_or_kept_bf16(tp_runs):
         assert mem["arena_unreferenced_bytes"] == 0  # no orphaned pages
 
 
-def test_fast_mode_with_no_tokens(vllm_env):
-    """A step with no tokens (vLLM's dummy or data-parallel runs) gives an empty output, not an error."""
+@pytest.mark.parametrize("native", [True, False], ids=["one-call", "per-expert"])
+def test_fast_mode_with_no_tokens(vllm_env, monkeypatch, native):
+    """A step with no tokens (vLLM's dummy or data-parallel runs) gives an empty output, not an error;
+    with tokens, both fast paths (one native call on AVX512-BF16 CPUs, one GEMM per expert elsewhere)
+    are within the bound of the original experts and far from a wrong routing."""
     from types import SimpleNamespace
 
     import torch
 
+    from zipserv_vllm.kernels import cpu as cpu_kernels
     from zipserv_vllm.vllm_plugin import loading, moe
     from zipserv_vllm.vllm_plugin.arena import PagedArena
+
+    if native and not (cpu_kernels.available() and cpu_kernels.bf16_supported()):
+        pytest.skip("the one-call MoE path needs the _cpu_gemm extension and a CPU with AVX512-BF16")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "bf16_supported", lambda: False)
 
     arena, states, weights = PagedArena("cpu"), [], {}
     gen = torch.Generator().manual_seed(5)
@@ -158,6 +167,7 @@ def test_fast_mode_with_no_tokens(vllm_env):
     topk = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
     out = method._compute_fast(layer, x, topk, ids)
     assert out.shape == (3, 64) and out.dtype == torch.bfloat16
+    assert (layer.__dict__.get("_zs_moe_tables", (None, None))[1] is not None) == native
 
     def reference(ids):  # the original BF16 experts, fp32 sums, the kernel's two BF16 roundings
         ref = torch.zeros(3, 64)

@@ -529,10 +529,12 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         return self._compute_exact(layer, x, topk_weights, topk_ids)
 
     def _compute_fast(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
-        """Fast mode: each routed expert's two GEMMs straight from its compressed bytes
-        (``zipserv_vllm.linear``, the fused CPU kernel), over the tokens routed to it; only the
-        routed experts are read. Same numbers as vLLM's kernel up to summation order and its
-        approximate exp in SiLU (the fast-mode logprob bound, tests/vllm/test_moe.py)."""
+        """Fast mode: each routed expert's two GEMMs straight from its compressed bytes, over the
+        tokens routed to it; only the routed experts are read. On CPUs with AVX512-BF16 one native
+        call runs the whole layer (``cpu_kernels.moe_experts``: every (expert, tile-row run) item of
+        w13 in one parallel loop, SiLU x up, then w2 likewise); elsewhere one ``zipserv_vllm.linear``
+        per expert and GEMM. Same numbers as vLLM's kernel up to summation order and its approximate
+        exp in SiLU (the fast-mode logprob bound, tests/vllm/test_moe.py)."""
         from .methods import compressed_linear
 
         states = moe_states(layer)
@@ -555,12 +557,39 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             outs = [compressed_linear(states[first + e], rows[bounds[e]:bounds[e + 1]], None, "fast") for e in active]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        h = grouped(0, xs)
-        act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
-        y = grouped(n_exp, act).float()
+        tables = self._native_tables(layer, states, n_exp, inter, x.shape[1])
+        if tables is not None:  # one native call for all routed experts (CPU with AVX512-BF16)
+            from ..kernels import cpu as cpu_kernels
+
+            y = cpu_kernels.moe_experts(xs, counts, tables[0], tables[1], inter).float()
+        else:
+            h = grouped(0, xs)
+            act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
+            y = grouped(n_exp, act).float()
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
+
+    def _native_tables(self, layer, states, n_exp: int, inter: int, hidden: int):
+        """(w13, w2) address tables for ``cpu_kernels.moe_experts``, or None where the one-call path does
+        not apply (not a CPU with AVX512-BF16, ``set_isa`` forcing the fused kernel, sizes not multiples
+        of 64, experts not held as single byte-split matrices). Cached on the layer per set of expert
+        tensors (a weight update re-encodes an expert: new tensors, new tables)."""
+        from ..kernels import cpu as cpu_kernels
+
+        if not (cpu_kernels.available() and cpu_kernels.bf16_supported()) or cpu_kernels._isa_override is not None \
+                or hidden % spec.TILE or inter % spec.TILE:
+            return None
+        parts = [st.parts[0] if len(st.parts) == 1 else None for st in states]
+        key = tuple(id(p) for p in parts)
+        cached = layer.__dict__.get("_zs_moe_tables")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        t13 = cpu_kernels.expert_table(parts[:n_exp], (2 * inter, hidden))
+        t2 = cpu_kernels.expert_table(parts[n_exp:], (hidden, inter))
+        tables = None if t13 is None or t2 is None else (t13, t2)
+        layer.__dict__["_zs_moe_tables"] = (key, tables, parts)  # parts: the tensors the addresses point into
+        return tables
 
     def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         from .methods import _full_weight
