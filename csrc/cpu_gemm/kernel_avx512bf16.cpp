@@ -421,6 +421,45 @@ void bf16_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) {
   }
 }
 
+// exp(v) for v in fp32 lanes: 2^(v log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
+// 2^f by a degree-6 polynomial (relative error < 2e-7); v clamped to [-87, 88]
+// (exp underflows to ~1e-38, overflows to ~1.6e38 there: silu's tails are exact
+// to fp32 rounding either way).
+inline __m512 exp_ps(__m512 v) {
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609954e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443423e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284771619e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821579953e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071233e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994530942e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// act[r][i] = bf16(silu(g) * u), g = h[r][i], u = h[r][inter + i] (bf16 -> fp32), RNE, NaN -> 0x7FC0.
+void silu_mul_rows(const uint16_t* h, int64_t r0, int64_t r1, int64_t inter, uint16_t* act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* g = h + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* a = act + r * inter;
+    for (int64_t i = 0; i < inter; i += 16) {  // inter is a multiple of 64
+      const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i))), 16));
+      const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i))), 16));
+      const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), uv);
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, y);
+      for (int l = 0; l < 16; ++l) a[i + l] = float_to_bf16(tmp[l]);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace zipserv
@@ -434,6 +473,9 @@ namespace cpu {
 Bf16GemmRowsFn avx512bf16_gemm_rows() { return bf16_gemm_rows; }
 bool avx512bf16_alloc_failed() { return g_alloc_failed.exchange(false); }
 PackedDecodeRowsFn avx512bf16_decode_rows() { return bf16_decode_rows; }
+void avx512bf16_silu_mul(const uint16_t* h, int64_t r0, int64_t r1, int64_t inter, uint16_t* act) {
+  silu_mul_rows(h, r0, r1, inter, act);
+}
 
 bool avx512bf16_supported() {
   __builtin_cpu_init();

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <atomic>
 #include <new>
 #include <cstring>
@@ -370,13 +369,7 @@ void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::ar
     ok = experts_gemm(t13, bd, e_count, 2 * inter, hidden, static_cast<const uint16_t*>(xs.data()), hp, threads,
                       bad_e, bad_g);
     if (ok) {
-      auto silu_mul = [&](int64_t a, int64_t b) {
-        for (int64_t row = a; row < b; ++row)
-          for (int64_t i = 0; i < inter; ++i) {
-            const float g = bf16_to_float(hp[row * 2 * inter + i]), u = bf16_to_float(hp[row * 2 * inter + inter + i]);
-            ap[row * inter + i] = float_to_bf16(g / (1.0f + std::exp(-g)) * u);
-          }
-      };
+      auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
       parallel_for(r, threads, silu_mul);
       which = "w2";
       ok = experts_gemm(t2, bd, e_count, hidden, inter, ap, static_cast<uint16_t*>(y.mutable_data()), threads,

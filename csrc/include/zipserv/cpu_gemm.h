@@ -96,6 +96,8 @@ bool avx512bf16_alloc_failed();  // whether a thread's buffer could not be alloc
 bool avx512bf16_supported();
 
 PackedDecodeRowsFn avx512bf16_decode_rows();  // the panel kernel's decode step alone (tests)
+// act[r][i] = bf16(silu(h[r][i]) * h[r][inter + i]) for rows r0 .. r1 - 1 (fp32, vector exp; inter % 16 == 0)
+void avx512bf16_silu_mul(const uint16_t* h, int64_t r0, int64_t r1, int64_t inter, uint16_t* act);
 
 struct Kernel {
   const char* name;
