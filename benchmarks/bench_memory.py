@@ -48,6 +48,13 @@ SIZES = {
     "moe1b": dict(zoo="mixtral", std=0.02, config=dict(hidden_size=1536, intermediate_size=3072, num_hidden_layers=8,
                                                       num_local_experts=8, num_experts_per_tok=2, num_attention_heads=12,
                                                       num_key_value_heads=4, head_dim=128)),
+    # Qwen3-MoE-shaped, ~0.39 B parameters (issue 20's MoE target: 16 experts, top-4; 0.35 B in the routed
+    # experts: 14 layers x 16 experts x 3 x 1024 x 512), the zoo's MoE builder (its 512-token vocabulary).
+    "qwen3moe0.4b": dict(zoo="qwen3-moe", std=0.02, config=dict(hidden_size=1024, moe_intermediate_size=512,
+                                                                intermediate_size=2048, num_hidden_layers=14,
+                                                                num_experts=16, num_experts_per_tok=4,
+                                                                num_attention_heads=16, num_key_value_heads=8,
+                                                                head_dim=64)),
 }
 VARIANTS = ("bf16", "precompressed", "pack_at_load", "precompressed_fast", "pack_at_load_fast")
 PROMPTS = ["hello world", "The quick brown fox", "def forward(self, x):", "memory bandwidth is the"]

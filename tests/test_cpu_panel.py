@@ -405,3 +405,46 @@ def test_moe_experts_refuses_bad_input():
         cpu_kernels.moe_experts(xs, [4, 0, 0], t13, t2, 32)
     with pytest.raises(ValueError):
         cpu_kernels.moe_experts(xs, [1, 1, 1], t13, t2, inter)  # 3 rows counted, 4 given
+
+
+@needs_bf16
+@pytest.mark.parametrize("on_input", [False, True])
+def test_moe_forward_routes_and_sums_like_the_grouped_path(on_input):
+    """cpu_kernels.moe_forward (routing, both GEMMs, SiLU x up and the weighted sum in one call) equals
+    grouping the rows by expert in Python, moe_experts, and an fp32 weighted sum: bit for bit where the
+    sums are taken in the same order (top-1), within fp32 reassociation otherwise; a token routed twice
+    to one expert, unrouted experts, no tokens at all, and ids outside the experts refused."""
+    hidden, inter, n_exp = 128, 64, 5
+    p13, p2 = _experts(n_exp, hidden, inter, seed=60)
+    t13, t2 = cpu_kernels.expert_table(p13, (2 * inter, hidden)), cpu_kernels.expert_table(p2, (hidden, inter))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, hidden, generator=g).bfloat16()
+    ids = torch.tensor([[0, 3], [3, 3], [1, 0], [4, 0], [0, 1], [3, 4], [1, 1]], dtype=torch.int64)
+    w = torch.rand(7, 2, generator=g)
+
+    def reference(ids, w):
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_exp).tolist()
+        tok, wt = order // k, w.reshape(-1)[order, None]
+        xs = x.index_select(0, tok)
+        if on_input:
+            xs = (xs * wt).bfloat16()
+        y = cpu_kernels.moe_experts(xs, counts, t13, t2, inter).float()
+        out = torch.zeros(x.shape[0], hidden)
+        out.index_add_(0, tok, y if on_input else y * wt)
+        return out.bfloat16()
+
+    got = cpu_kernels.moe_forward(x, ids, w, t13, t2, inter, on_input=on_input)
+    want = reference(ids, w)
+    assert got.shape == (7, hidden) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3)
+    top1 = ids[:, :1].contiguous()
+    assert torch.equal(_bits(cpu_kernels.moe_forward(x, top1, w[:, :1], t13, t2, inter, on_input=on_input)),
+                       _bits(reference(top1, w[:, :1])))
+    assert not torch.allclose(got.float(), reference(ids.flip(1), w).float(), rtol=1e-2, atol=1e-3)
+    empty = cpu_kernels.moe_forward(x[:0], ids[:0], w[:0], t13, t2, inter, on_input=on_input)
+    assert empty.shape == (0, hidden)
+    with pytest.raises(ValueError, match=r"topk_ids holds expert 5, outside \[0, 5\)"):
+        cpu_kernels.moe_forward(x, ids + 1, w, t13, t2, inter)

@@ -333,55 +333,134 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
   return true;
 }
 
-// y = the routed experts' outputs, row r of xs (rows grouped by expert,
-// bounds[e] .. bounds[e + 1] for expert e) through its expert:
-// h = xs . W13_e^T (bf16), act = bf16(silu(gate) * up) in fp32, y = act . W2_e^T.
-// Fast mode (the panel kernel's numerics); H and I multiples of 64.
-void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::array& w13, const py::array& w2,
-                      int64_t inter, int64_t hidden, py::array h, py::array act, py::array y, int threads) {
+// The routed experts' outputs y[r] for rows xs[r] grouped by expert (bounds[e]
+// .. bounds[e + 1] for expert e): h = xs . W13_e^T (bf16), act = bf16(silu(gate)
+// * up) in fp32, y = act . W2_e^T. Runs without the GIL; returns "" or the error.
+std::string experts_forward(const uint16_t* xs, const int64_t* bd, int64_t e_count, const int64_t* t13,
+                            const int64_t* t2, int64_t inter, int64_t hidden, uint16_t* hp, uint16_t* ap, uint16_t* y,
+                            int threads) {
+  int64_t bad_e = -1, bad_g = -1;
+  const int64_t r = bd[e_count];
+  if (!experts_gemm(t13, bd, e_count, 2 * inter, hidden, xs, hp, threads, bad_e, bad_g))
+    return "expert " + std::to_string(bad_e) + " (w13): tile (" + std::to_string(bad_g / tile_count(hidden)) + ", " +
+           std::to_string(bad_g % tile_count(hidden)) + ") " + kPackedBad;
+  auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
+  parallel_for(r, threads, silu_mul);
+  if (!experts_gemm(t2, bd, e_count, hidden, inter, ap, y, threads, bad_e, bad_g))
+    return "expert " + std::to_string(bad_e) + " (w2): tile (" + std::to_string(bad_g / tile_count(inter)) + ", " +
+           std::to_string(bad_g % tile_count(inter)) + ") " + kPackedBad;
+  return "";
+}
+
+void check_moe_sizes(int64_t inter, int64_t hidden, const py::array& w13, const py::array& w2, int64_t e_count) {
   if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
   if (inter < 1 || hidden < 1 || inter % kTile || hidden % kTile)
     throw std::invalid_argument("hidden and intermediate sizes must be positive multiples of 64");
+  check(w13, "w13", "i", 8, {e_count, 5});
+  check(w2, "w2", "i", 8, {e_count, 5});
+}
+
+// y = the routed experts' outputs for rows xs grouped by expert (experts_forward); h, act: scratch.
+// Fast mode (the panel kernel's numerics); H and I multiples of 64.
+void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::array& w13, const py::array& w2,
+                      int64_t inter, int64_t hidden, py::array h, py::array act, py::array y, int threads) {
   check(bounds, "bounds", "i", 8, {-1});
   const int64_t e_count = bounds.shape(0) - 1;
   const int64_t* bd = static_cast<const int64_t*>(bounds.data());
   if (e_count < 1 || bd[0] != 0) throw std::invalid_argument("bounds must start at 0 and name at least one expert");
   for (int64_t e = 0; e < e_count; ++e)
     if (bd[e + 1] < bd[e]) throw std::invalid_argument("bounds must not decrease");
+  check_moe_sizes(inter, hidden, w13, w2, e_count);
   const int64_t r = bd[e_count];
   check(xs, "xs", "ui", 2, {r, hidden});
-  check(w13, "w13", "i", 8, {e_count, 5});
-  check(w2, "w2", "i", 8, {e_count, 5});
   check(h, "h", "ui", 2, {r, 2 * inter});
   check(act, "act", "ui", 2, {r, inter});
   check(y, "y", "ui", 2, {r, hidden});
   if (!h.writeable() || !act.writeable() || !y.writeable()) throw std::invalid_argument("h, act and y must be writeable");
   if (r == 0) return;
-  const int64_t* t13 = static_cast<const int64_t*>(w13.data());
-  const int64_t* t2 = static_cast<const int64_t*>(w2.data());
-  uint16_t* hp = static_cast<uint16_t*>(h.mutable_data());
-  uint16_t* ap = static_cast<uint16_t*>(act.mutable_data());
-  int64_t bad_e = -1, bad_g = -1;
-  const char* which = "w13";
-  bool ok;
+  std::string err;
   {
     py::gil_scoped_release nogil;
-    ok = experts_gemm(t13, bd, e_count, 2 * inter, hidden, static_cast<const uint16_t*>(xs.data()), hp, threads,
-                      bad_e, bad_g);
-    if (ok) {
-      auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
-      parallel_for(r, threads, silu_mul);
-      which = "w2";
-      ok = experts_gemm(t2, bd, e_count, hidden, inter, ap, static_cast<uint16_t*>(y.mutable_data()), threads,
-                        bad_e, bad_g);
+    err = experts_forward(static_cast<const uint16_t*>(xs.data()), bd, e_count,
+                          static_cast<const int64_t*>(w13.data()), static_cast<const int64_t*>(w2.data()), inter,
+                          hidden, static_cast<uint16_t*>(h.mutable_data()), static_cast<uint16_t*>(act.mutable_data()),
+                          static_cast<uint16_t*>(y.mutable_data()), threads);
+  }
+  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
+  if (!err.empty()) throw std::invalid_argument(err);
+}
+
+// A whole MoE layer's routed experts: out[t] = sum over j of w[t][j] * expert ids[t][j](x[t]) (fp32 sum
+// in increasing j, then bf16; with on_input, the weight scales x[t] (bf16) instead and the outputs are
+// summed unweighted). Rows are grouped by expert in (token, j) order; ids outside [0, E) are refused.
+py::array moe_forward_bf16(const py::array& x, const py::array& ids, const py::array& weights, const py::array& w13,
+                           const py::array& w2, int64_t inter, bool on_input, int threads) {
+  check(x, "x", "ui", 2, {-1, -1});
+  const int64_t t_count = x.shape(0), hidden = x.shape(1);
+  check(ids, "topk_ids", "i", 4, {t_count, -1});
+  const int64_t k = ids.shape(1);
+  check(weights, "topk_weights", "f", 4, {t_count, k});
+  const int64_t e_count = w13.ndim() == 2 ? w13.shape(0) : 0;
+  check_moe_sizes(inter, hidden, w13, w2, e_count);
+  if (e_count < 1) throw std::invalid_argument("w13 must name at least one expert");
+  py::array_t<uint16_t> out({t_count, hidden});
+  const int32_t* id = static_cast<const int32_t*>(ids.data());
+  const float* wt = static_cast<const float*>(weights.data());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data());
+  uint16_t* op = out.mutable_data();
+  for (int64_t i = 0; i < t_count * k; ++i)
+    if (id[i] < 0 || id[i] >= e_count)
+      throw std::invalid_argument("topk_ids holds expert " + std::to_string(id[i]) + ", outside [0, " +
+                                  std::to_string(e_count) + ")");
+  std::string err;
+  {
+    py::gil_scoped_release nogil;
+    const int64_t r = t_count * k;
+    std::vector<int64_t> bd(static_cast<size_t>(e_count + 1), 0), slot(static_cast<size_t>(r));
+    for (int64_t i = 0; i < r; ++i) ++bd[id[i] + 1];
+    for (int64_t e = 0; e < e_count; ++e) bd[e + 1] += bd[e];
+    std::vector<int64_t> fill(bd.begin(), bd.end() - 1), row_of(static_cast<size_t>(r));
+    for (int64_t i = 0; i < r; ++i) {  // i = t * k + j, in order: stable per expert
+      row_of[i] = fill[id[i]]++;
+      slot[row_of[i]] = i;
+    }
+    std::vector<uint16_t> xs(static_cast<size_t>(r * hidden)), h(static_cast<size_t>(r * 2 * inter)),
+        act(static_cast<size_t>(r * inter)), y(static_cast<size_t>(r * hidden));
+    auto gather = [&](int64_t a, int64_t b) {
+      for (int64_t row = a; row < b; ++row) {
+        const int64_t i = slot[row], t = i / k;
+        if (on_input)
+          for (int64_t c = 0; c < hidden; ++c)
+            xs[row * hidden + c] = float_to_bf16(bf16_to_float(xp[t * hidden + c]) * wt[i]);
+        else
+          std::memcpy(xs.data() + row * hidden, xp + t * hidden, static_cast<size_t>(hidden) * 2);
+      }
+    };
+    parallel_for(r, threads, gather);
+    if (r > 0)
+      err = experts_forward(xs.data(), bd.data(), e_count, static_cast<const int64_t*>(w13.data()),
+                            static_cast<const int64_t*>(w2.data()), inter, hidden, h.data(), act.data(), y.data(),
+                            threads);
+    if (err.empty()) {
+      auto combine = [&](int64_t a, int64_t b) {
+        for (int64_t t = a; t < b; ++t)
+          for (int64_t c0 = 0; c0 < hidden; c0 += 16) {
+            float acc[16] = {};
+            for (int64_t j = 0; j < k; ++j) {
+              const int64_t i = t * k + j;
+              const uint16_t* yr = y.data() + row_of[i] * hidden + c0;
+              const float s = on_input ? 1.0f : wt[i];
+              for (int l = 0; l < 16; ++l) acc[l] += s * bf16_to_float(yr[l]);
+            }
+            for (int l = 0; l < 16; ++l) op[t * hidden + c0 + l] = float_to_bf16(acc[l]);
+          }
+      };
+      parallel_for(t_count, threads, combine);
     }
   }
   if (avx512bf16_alloc_failed()) throw std::bad_alloc();
-  if (!ok) {
-    const int64_t kt = tile_count(std::string(which) == "w13" ? hidden : inter);
-    throw std::invalid_argument("expert " + std::to_string(bad_e) + " (" + which + "): tile (" +
-                                std::to_string(bad_g / kt) + ", " + std::to_string(bad_g % kt) + ") " + kPackedBad);
-  }
+  if (!err.empty()) throw std::invalid_argument(err);
+  return out;
 }
 
 void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py::array& exc_start,
@@ -451,6 +530,9 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("moe_experts_bf16", &moe_experts_bf16, py::arg("xs"), py::arg("bounds"), py::arg("w13"), py::arg("w2"),
           py::arg("inter"), py::arg("hidden"), py::arg("h"), py::arg("act"), py::arg("y"), py::arg("threads"),
           "One MoE layer's routed experts (w13, SiLU x up, w2) by the AVX512-BF16 panel kernel, one call");
+  mod.def("moe_forward_bf16", &moe_forward_bf16, py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"),
+          py::arg("w13"), py::arg("w2"), py::arg("inter"), py::arg("on_input"), py::arg("threads"),
+          "A MoE layer's routed experts for tokens x (routing, both GEMMs, SiLU x up, weighted sum), one call");
   mod.def("packed_embedding", &packed_embedding, py::arg("ids"), py::arg("tiles"), py::arg("luts"),
           py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("rows"), py::arg("out"),
           py::arg("threads"), py::arg("isa"),

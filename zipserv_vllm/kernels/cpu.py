@@ -372,6 +372,21 @@ def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.nda
     return y
 
 
+def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: np.ndarray,
+                w2: np.ndarray, inter: int, *, on_input: bool = False, threads: int | None = None) -> torch.Tensor:
+    """A MoE layer's routed experts for tokens ``x`` [T, H] in one native call: the rows grouped by
+    expert, both GEMMs and SiLU x up as :func:`moe_experts`, and ``out[t] = sum_j w[t, j] *
+    y[t, j]`` in fp32 (``on_input``: the weight scales ``x[t]`` instead), returned as bf16 [T, H]."""
+    _need()
+    if not bf16_supported():
+        raise ValueError("moe_forward needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    ids = _c(topk_ids.to(torch.int32))
+    wts = _c(topk_weights.to(torch.float32))
+    out = _cpu_gemm.moe_forward_bf16(_u16(_c(x)), ids.numpy(), wts.numpy(), w13, w2, int(inter), bool(on_input),
+                                     _threads(threads))
+    return torch.from_numpy(out).view(torch.bfloat16)
+
+
 def fused_linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None, *,
                  isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """``F.linear(x, decompress_tensor(ct), bias)`` by the fused kernel."""

@@ -120,8 +120,8 @@ def _moe(path: Path, seed: int, std: float, kind: str, config: dict | None = Non
     if kind == "qwen3-moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        cfg = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
-                             decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cfg = Qwen3MoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [], **common})
         model = Qwen3MoeForCausalLM(cfg)
     else:
         from transformers import MixtralConfig, MixtralForCausalLM

@@ -531,14 +531,21 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
     def _compute_fast(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Fast mode: each routed expert's two GEMMs straight from its compressed bytes, over the
         tokens routed to it; only the routed experts are read. On CPUs with AVX512-BF16 one native
-        call runs the whole layer (``cpu_kernels.moe_experts``: every (expert, tile-row run) item of
-        w13 in one parallel loop, SiLU x up, then w2 likewise); elsewhere one ``zipserv_vllm.linear``
-        per expert and GEMM. Same numbers as vLLM's kernel up to summation order and its approximate
-        exp in SiLU (the fast-mode logprob bound, tests/vllm/test_moe.py)."""
+        call runs the whole layer (``cpu_kernels.moe_forward``: the rows grouped by expert, every
+        (expert, tile-row run) item of w13 in one parallel loop, SiLU x up, w2 likewise, the weighted
+        sum per token); elsewhere one ``zipserv_vllm.linear`` per expert and GEMM. Same numbers as
+        vLLM's kernel up to summation order and its approximate exp in SiLU (the fast-mode logprob
+        bound, tests/vllm/test_moe.py)."""
         from .methods import compressed_linear
 
         states = moe_states(layer)
         n_exp, inter = len(states) // 2, self._shapes[0][1] // 2
+        tables = self._native_tables(layer, states, n_exp, inter, x.shape[1])
+        if tables is not None and x.dim() == 2:  # one native call for the whole layer (CPU with AVX512-BF16)
+            from ..kernels import cpu as cpu_kernels
+
+            return cpu_kernels.moe_forward(x, topk_ids, topk_weights, tables[0], tables[1], inter,
+                                           on_input=bool(layer.apply_router_weight_on_input))
         k = topk_ids.shape[-1]
         flat = topk_ids.reshape(-1).to(torch.int64)
         order = torch.argsort(flat, stable=True)
@@ -557,15 +564,9 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             outs = [compressed_linear(states[first + e], rows[bounds[e]:bounds[e + 1]], None, "fast") for e in active]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        tables = self._native_tables(layer, states, n_exp, inter, x.shape[1])
-        if tables is not None:  # one native call for all routed experts (CPU with AVX512-BF16)
-            from ..kernels import cpu as cpu_kernels
-
-            y = cpu_kernels.moe_experts(xs, counts, tables[0], tables[1], inter).float()
-        else:
-            h = grouped(0, xs)
-            act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
-            y = grouped(n_exp, act).float()
+        h = grouped(0, xs)
+        act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
+        y = grouped(n_exp, act).float()
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
