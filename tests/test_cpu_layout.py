@@ -245,6 +245,17 @@ def test_embedding_from_packed_table():
     assert torch.equal(_bits(cpu_kernels.packed_decode(sub)), _bits(torch.cat([w[:64], w[128:192], w[256:]])))
 
 
+def test_embedding_fallback_without_the_extension(monkeypatch):
+    """Where the native lookup is not available, zipserv::packed_embedding's Python path (the touched
+    tile rows selected, decoded by the reference unpacker) gives the same rows."""
+    w = _mixed_weight(300, 70)
+    pt = cpu_kernels.pack(w)
+    ids = torch.tensor([[0, 299, 5, 63], [250, 64, 400, 130]])
+    want = F.embedding(ids, torch.cat([w, torch.zeros(120, 70, dtype=torch.bfloat16)]))
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert torch.equal(_bits(compressed_embedding(ids, pt, 420)), _bits(want))
+
+
 def test_native_embedding_lookup_every_pattern_and_edge():
     """The one-call CPU lookup (cpu_kernels.packed_embedding, what zipserv::packed_embedding runs on
     the CPU) returns every BF16 pattern bit for bit: all 65,536 as a 1024 x 64 table, rows read in a

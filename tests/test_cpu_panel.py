@@ -403,6 +403,14 @@ def test_moe_experts_refuses_bad_input():
     cpu_kernels.moe_experts(xs, [2, 2, 0], t13, tb, inter)  # expert 2 has no rows: its tiles are not read
     with pytest.raises(ValueError, match="multiples of 64"):
         cpu_kernels.moe_experts(xs, [4, 0, 0], t13, t2, 32)
+    # sizes that do not match the experts' are refused before any weight is read
+    with pytest.raises(ValueError, match=r"w13: expert 0 is 128 x 64, the call needs 256 x 64"):
+        cpu_kernels.moe_experts(xs, [4, 0, 0], t13, t2, 128)
+    with pytest.raises(ValueError, match=r"w13: expert 0 is 128 x 64, the call needs 128 x 128"):
+        cpu_kernels.moe_forward(torch.ones(2, 128, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int64),
+                                torch.ones(2, 1), t13, t2, inter)
+    with pytest.raises(ValueError, match="2-D bfloat16 CPU tensor"):
+        cpu_kernels.moe_forward(xs.float(), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), t13, t2, inter)
     with pytest.raises(ValueError):
         cpu_kernels.moe_experts(xs, [1, 1, 1], t13, t2, inter)  # 3 rows counted, 4 given
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <memory>
 #include <new>
 #include <cstring>
 #include <stdexcept>
@@ -227,8 +228,13 @@ void packed_embedding(const py::array& ids, const py::array& tiles, const py::ar
     for (size_t j = 0; j < order.size(); ++j)
       if (j == 0 || order[j].first / kTile != order[j - 1].first / kTile) group.push_back(j);
     group.push_back(order.size());
+    std::atomic<bool> no_memory{false};
     auto body = [&](int64_t a, int64_t b) {
-      std::vector<uint16_t> scratch(static_cast<size_t>(kTile * k));
+      std::unique_ptr<uint16_t[]> scratch(new (std::nothrow) uint16_t[static_cast<size_t>(kTile * k)]);
+      if (!scratch) {  // (no exception may leave the parallel region)
+        no_memory.store(true);
+        return;
+      }
       for (int64_t gi = a; gi < b; ++gi) {
         const int64_t tm = order[group[gi]].first / kTile;
         Packed v = w;  // tile row tm alone
@@ -238,17 +244,18 @@ void packed_embedding(const py::array& ids, const py::array& tiles, const py::ar
         v.m = std::min<int64_t>(kTile, m - tm * kTile);
         v.mt = 1;
         std::atomic<int64_t> vbad{-1};
-        kern.packed_decode_rows(DecodeJobT<Packed>{v, scratch.data(), &vbad}, 0, 1);
+        kern.packed_decode_rows(DecodeJobT<Packed>{v, scratch.get(), &vbad}, 0, 1);
         if (vbad.load() >= 0) {
           report_bad(&bad, tm * w.kt + vbad.load());
           continue;
         }
         for (size_t j = group[gi]; j < group[gi + 1]; ++j)
-          std::memcpy(y + order[j].second * k, scratch.data() + (order[j].first - tm * kTile) * k,
+          std::memcpy(y + order[j].second * k, scratch.get() + (order[j].first - tm * kTile) * k,
                       static_cast<size_t>(k) * 2);
       }
     };
     parallel_for(static_cast<int64_t>(group.size()) - 1, threads, body);
+    if (no_memory.load()) throw std::bad_alloc();
   }
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
@@ -291,14 +298,28 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
 }
 
 // ---- one MoE layer's routed experts in one call (AVX512-BF16 panel kernel) ----
-// Expert weights come as a table of addresses, [E][5] int64: tiles, luts,
-// exc_start, exc, exc_len of each expert's byte-split PackedTensor (w13:
-// 2I x H, gate rows then up rows; w2: H x I). The caller (vllm_plugin/moe.py)
-// builds it from the layer's validated tensors and keeps them alive.
+// Expert weights come as a table of addresses, [E][kExpertCols] int64: tiles,
+// luts, exc_start, exc, exc_len, M, K of each expert's byte-split PackedTensor
+// (w13: 2I x H, gate rows then up rows; w2: H x I). The caller
+// (kernels/cpu.py expert_table) builds it from tensors whose dtypes and array
+// shapes it checked against M, K and keeps them alive; every call checks each
+// row's M, K against the sizes it is given.
+constexpr int64_t kExpertCols = 7;
+
 Packed expert_view(const int64_t* row, int64_t m, int64_t k) {
   return Packed{reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint8_t*>(row[1]),
                 reinterpret_cast<const int64_t*>(row[2]), reinterpret_cast<const uint32_t*>(row[3]), row[4],
                 m, k, tile_count(m), tile_count(k)};
+}
+
+void check_table(const py::array& table, const char* name, int64_t e_count, int64_t m, int64_t k) {
+  check(table, name, "i", 8, {e_count, kExpertCols});
+  const int64_t* t = static_cast<const int64_t*>(table.data());
+  for (int64_t e = 0; e < e_count; ++e)
+    if (t[e * kExpertCols + 5] != m || t[e * kExpertCols + 6] != k || t[e * kExpertCols + 4] < 0)
+      throw std::invalid_argument(std::string(name) + ": expert " + std::to_string(e) + " is " +
+                                  std::to_string(t[e * kExpertCols + 5]) + " x " + std::to_string(t[e * kExpertCols + 6]) +
+                                  ", the call needs " + std::to_string(m) + " x " + std::to_string(k));
 }
 
 // Y[rows of e] = X[rows of e] . W_e^T for every expert with rows, as one
@@ -314,7 +335,7 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
     bad[e].store(-1);
     const int64_t n = bounds[e + 1] - bounds[e];
     if (n == 0) continue;
-    const Packed w = expert_view(table + 5 * e, m, k);
+    const Packed w = expert_view(table + kExpertCols * e, m, k);
     jobs.push_back(Bf16GemmJob{w, x + bounds[e] * k, n, k, nullptr, y + bounds[e] * m, &bad[e]});
     for (int64_t tm = 0; tm < w.mt; tm += kBf16Rows)
       items.push_back({static_cast<int64_t>(jobs.size()) - 1, tm, std::min(tm + kBf16Rows, w.mt)});
@@ -356,8 +377,8 @@ void check_moe_sizes(int64_t inter, int64_t hidden, const py::array& w13, const 
   if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
   if (inter < 1 || hidden < 1 || inter % kTile || hidden % kTile)
     throw std::invalid_argument("hidden and intermediate sizes must be positive multiples of 64");
-  check(w13, "w13", "i", 8, {e_count, 5});
-  check(w2, "w2", "i", 8, {e_count, 5});
+  check_table(w13, "w13", e_count, 2 * inter, hidden);
+  check_table(w2, "w2", e_count, hidden, inter);
 }
 
 // y = the routed experts' outputs for rows xs grouped by expert (experts_forward); h, act: scratch.

@@ -332,9 +332,11 @@ def packed_embedding(ids: torch.Tensor, pt: PackedTensor, rows: int | None = Non
 
 # ------------------------------------------------------- MoE experts, one call
 def expert_table(parts: list, shape: tuple[int, int]) -> np.ndarray | None:
-    """The address table ``moe_experts`` takes for experts ``parts`` (all PackedTensors of ``shape``
-    on the CPU, contiguous, with the layout's dtypes and array shapes), or None where one is not.
-    The caller keeps ``parts`` alive while it uses the table."""
+    """The address table ``moe_experts`` / ``moe_forward`` take for experts ``parts`` (all
+    PackedTensors of ``shape`` on the CPU, contiguous, with the layout's dtypes and array shapes),
+    or None where one is not: per expert the four arrays' addresses, the exception count and
+    ``shape`` (checked by every call against the sizes it is given). The caller keeps ``parts``
+    alive while it uses the table."""
     from ..format.cpu_layout import LUT_ENTRIES, TILE_BYTES, grid
 
     mt, kt = grid(*shape)
@@ -349,8 +351,13 @@ def expert_table(parts: list, shape: tuple[int, int]) -> np.ndarray | None:
         if (tuple(p.tiles.shape) != (mt, kt, TILE_BYTES) or tuple(p.luts.shape) != (mt, kt, LUT_ENTRIES)
                 or tuple(p.exc_start.shape) != (mt * kt + 1,) or p.exc.dim() != 1):
             return None
-        rows.append([t.data_ptr() for t in a] + [p.exc.numel()])
-    return np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+        rows.append([t.data_ptr() for t in a] + [p.exc.numel(), shape[0], shape[1]])
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 7)
+
+
+def _check_moe_x(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"{name} must be a 2-D bfloat16 CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
 
 
 def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.ndarray, inter: int, *,
@@ -361,6 +368,7 @@ def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.nda
     _need()
     if not bf16_supported():
         raise ValueError("moe_experts needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    _check_moe_x(xs, "xs")
     r, hidden = xs.shape
     bounds = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
@@ -380,6 +388,7 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _need()
     if not bf16_supported():
         raise ValueError("moe_forward needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    _check_moe_x(x, "x")
     ids = _c(topk_ids.to(torch.int32))
     wts = _c(topk_weights.to(torch.float32))
     out = _cpu_gemm.moe_forward_bf16(_u16(_c(x)), ids.numpy(), wts.numpy(), w13, w2, int(inter), bool(on_input),

@@ -509,6 +509,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                                                        expert_id=expert_id, return_success=True, **kw)
             if ok is not False:
                 loading.reencode(st, one[0])
+                layer.__dict__.pop("_zs_moe_tables", None)  # its addresses keep the old pages alive
             return ok if return_success else None
 
         return zipserv_expert_update_loader
