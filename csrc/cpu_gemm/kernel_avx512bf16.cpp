@@ -173,9 +173,9 @@ void panel_tokens(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_
   }
 }
 
-// The first tile of row tm whose exception range is malformed, or -1.
-int64_t bad_range_in_row(const Packed& w, int64_t tm) {
-  for (int64_t g = tm * w.kt; g < (tm + 1) * w.kt; ++g)
+// The first of tiles g0 .. g1 - 1 whose exception range is malformed, or -1.
+int64_t first_bad_range(const Packed& w, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
     if (!packed_tile_ok(w, g)) return g;
   return -1;
 }
@@ -212,8 +212,8 @@ inline __m512i tile_lut(const Packed& w, int64_t g) {
 // into panel mm at buf + (mm * tn + tc) * kMediumWords. Returns the first
 // malformed tile, or -1.
 int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
-  for (int64_t g = g0; g < g0 + tn; ++g)
-    if (!packed_tile_ok(w, g)) return g;
+  const int64_t bad_range = first_bad_range(w, g0, g0 + tn);
+  if (bad_range >= 0) return bad_range;
   for (int64_t tc = 0; tc < tn; ++tc) {
     const int64_t g = g0 + tc;
     const __m512i lut = tile_lut(w, g);
@@ -326,7 +326,7 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   if (pbuf == nullptr) return;
   uint16_t* patched[4][kChunk];
   for (int64_t tm = tm0; tm < tm1; ++tm) {
-    const int64_t bad_range = bad_range_in_row(w, tm);
+    const int64_t bad_range = first_bad_range(w, tm * kt, (tm + 1) * kt);
     if (bad_range >= 0) {
       report_bad(job.bad_tile, bad_range);
       return;

@@ -91,8 +91,13 @@ constexpr const char* kV1Bad = "has segment offsets outside the streams or misal
 constexpr const char* kPackedBad = "of the byte-split layout has a malformed exception list";
 
 // Raises for the first malformed tile g (>= 0) that a kernel reported.
+// "tile (r, c) <what>" for tile g of a matrix kt tiles wide.
+std::string bad_tile_text(int64_t g, int64_t kt, const char* what) {
+  return "tile (" + std::to_string(g / kt) + ", " + std::to_string(g % kt) + ") " + what;
+}
+
 void raise_bad(int64_t g, int64_t kt, const char* what) {
-  if (g >= 0) throw std::invalid_argument("tile (" + std::to_string(g / kt) + ", " + std::to_string(g % kt) + ") " + what);
+  if (g >= 0) throw std::invalid_argument(bad_tile_text(g, kt, what));
 }
 
 Packed packed(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
@@ -363,13 +368,11 @@ std::string experts_forward(const uint16_t* xs, const int64_t* bd, int64_t e_cou
   int64_t bad_e = -1, bad_g = -1;
   const int64_t r = bd[e_count];
   if (!experts_gemm(t13, bd, e_count, 2 * inter, hidden, xs, hp, threads, bad_e, bad_g))
-    return "expert " + std::to_string(bad_e) + " (w13): tile (" + std::to_string(bad_g / tile_count(hidden)) + ", " +
-           std::to_string(bad_g % tile_count(hidden)) + ") " + kPackedBad;
+    return "expert " + std::to_string(bad_e) + " (w13): " + bad_tile_text(bad_g, tile_count(hidden), kPackedBad);
   auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
   parallel_for(r, threads, silu_mul);
   if (!experts_gemm(t2, bd, e_count, hidden, inter, ap, y, threads, bad_e, bad_g))
-    return "expert " + std::to_string(bad_e) + " (w2): tile (" + std::to_string(bad_g / tile_count(inter)) + ", " +
-           std::to_string(bad_g % tile_count(inter)) + ") " + kPackedBad;
+    return "expert " + std::to_string(bad_e) + " (w2): " + bad_tile_text(bad_g, tile_count(inter), kPackedBad);
   return "";
 }
 

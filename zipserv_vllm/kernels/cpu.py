@@ -324,8 +324,7 @@ def packed_embedding(ids: torch.Tensor, pt: PackedTensor, rows: int | None = Non
     rows = m if rows is None else int(rows)
     flat = _c(ids.reshape(-1).to(torch.int64))
     out = torch.empty((flat.numel(), k), dtype=torch.bfloat16)
-    _cpu_gemm.packed_embedding(flat.numpy(), _c(pt.tiles).numpy(), _c(pt.luts).numpy(), _c(pt.exc_start).numpy(),
-                               _c(pt.exc).numpy(), int(m), int(k), rows, _u16(out), _threads(threads),
+    _cpu_gemm.packed_embedding(flat.numpy(), *_packed_views(pt), int(m), int(k), rows, _u16(out), _threads(threads),
                                isa or _isa_override or "auto")
     return out.reshape(*ids.shape, k)
 
