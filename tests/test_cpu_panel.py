@@ -95,7 +95,7 @@ def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 4, 6, 8, 10))  # streaming (<= 4 tokens), buffered (blocks of 6, 2, 4)
+@pytest.mark.parametrize("n", (1, 4, 7, 13, 19, 25))  # streaming (<= 18 tokens: blocks 4+3, 5+4+4), buffered
 def test_gemm_reads_every_weight_exactly(n):
     """Both multiply paths' decodes, bit for bit: every finite normal BF16 pattern (exceptions, patched
     medium tiles) and Gaussian tiles (decoded in registers by the streaming path)."""
@@ -108,7 +108,7 @@ def test_gemm_reads_every_weight_exactly(n):
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 33))  # every register block, both paths
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 18, 19, 20, 33))  # every register block, both paths
 def test_gemm_within_bound(n):
     # 520 rows: 9 tile rows, 3 work items of 4 rows, so 2 and 3 threads really split the work
     w = _weight(520, 4096 + 70, seed=n)
@@ -180,7 +180,7 @@ def test_malformed_exception_lists_are_refused(kind):
     w = _weight(128, 128, seed=3)
     w[0, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
     bad = _corrupt(cpu_kernels.pack(w), kind)
-    for n in (1, 5):  # streaming and buffered paths
+    for n in (1, 19):  # streaming and buffered paths
         x = torch.ones(n, 128, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"tile \([01], [01]\) of the byte-split layout"):
             cpu_kernels.packed_linear(x, bad, kernel="panel")
@@ -197,7 +197,7 @@ def test_malformed_tile_in_a_later_chunk_is_named():
     pt = cpu_kernels.pack(w)
     assert int(pt.exc_start[12]) == 0 and int(pt.exc_start[13]) >= 2
     bad = _corrupt(pt, "not_ascending")
-    for n in (1, 5):
+    for n in (1, 19):
         with pytest.raises(ValueError, match=r"tile \(0, 12\) of the byte-split layout"):
             cpu_kernels.packed_linear(torch.ones(n, 1280, dtype=torch.bfloat16), bad, kernel="panel")
 
