@@ -90,7 +90,7 @@ struct ThreadBuf {
   }
 };
 thread_local ThreadBuf<uint16_t> panel_buf;  // decoded panels (BF16)
-thread_local ThreadBuf<float> acc_buf;       // the buffered path's accumulators [4 panels][n][4][16]
+thread_local ThreadBuf<float> acc_buf;       // both paths' accumulators [4 panels][n][4][16]
 
 // Word index, inside its FT's 64 buffer words, of FT position p = 8 r + c:
 // vector v = r & 1 (rows 0, 2, 4, 6 / 1, 3, 5, 7), its 128-bit lane r >> 1.
@@ -367,8 +367,8 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
       // the next chunk's records: the rest of this row, or the next row's first chunk
       // (prefetching past the matrix is harmless: prefetches do not fault)
       const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
-      // ceil(n / 6) blocks of equal size (7 tokens: 4 + 3, not 6 + 1: a block of one token waits on
-      // the latency of its 4 accumulators)
+      // ceil(n / 6) blocks whose sizes differ by at most one (7 tokens: 4 + 3, not 6 + 1: a block of
+      // one token waits on the latency of its 4 accumulators)
       const int64_t blocks = (n + kStreamNb - 1) / kStreamNb;
       for (int mm = 0; mm < 4; ++mm)
         for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
