@@ -234,6 +234,26 @@ def test_linear_op_and_dispatch(monkeypatch):
     assert torch.equal(_bits(zipserv_vllm.linear(big, pt)), _bits(F.linear(big, w)))
 
 
+def test_eager_call_checks_once_and_hands_back_what_it_does_not_serve(monkeypatch):
+    """linear()'s eager CPU path (eager_packed_linear): the chosen kernel's bits for 2-D and 3-D x,
+    with and without bias; None (the op's path) for what no fused kernel takes."""
+    monkeypatch.setenv("ZIPSERV_CPU_FUSED_MAX_N", "8")
+    w = _mixed_weight(130, 200)
+    pt = cpu_kernels.pack(w)
+    x = _weight(6, 200, seed=6, scale=1.0)
+    bias = _weight(1, 130, seed=7).view(-1)
+    kernel = cpu_kernels.fast_kernel(x, 130, 200)
+    for b in (None, bias):
+        y = cpu_kernels.eager_packed_linear(x.view(2, 3, 200), pt, b)
+        assert y.shape == (2, 3, 130)
+        assert torch.equal(_bits(y.reshape(6, 130)), _bits(cpu_kernels.packed_linear(x, pt, b, kernel=kernel)))
+    assert cpu_kernels.eager_packed_linear(x.float(), pt, None) is None
+    assert cpu_kernels.eager_packed_linear(x, pt, bias.float()) is None
+    assert cpu_kernels.eager_packed_linear(x, pt, bias[:-1]) is None
+    assert cpu_kernels.eager_packed_linear(_weight(9, 200, seed=1, scale=1.0), pt, None) is None  # > 8 tokens
+    assert cpu_kernels.eager_packed_linear(x[:0], pt, None) is None
+
+
 def test_embedding_from_packed_table():
     w = _mixed_weight(300, 70)
     pt = cpu_kernels.pack(w)

@@ -267,6 +267,34 @@ def _packed_call(x, arrs, m, k, bias, isa, threads, kernel) -> torch.Tensor:
     return out.view(*x.shape[:-1], m)
 
 
+def eager_packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Fast mode's eager call on a byte-split weight: ``use_fused``, ``fast_kernel`` and
+    ``packed_linear`` in one pass, each check done once. None when no fused kernel applies (the
+    caller then takes the op's path); the caller has checked that x's last dimension is W's K."""
+    if _cpu_gemm is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    m, k = pt.shape
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,):
+            return None
+        bias = _c(bias).view(torch.int16).numpy()
+    n = x.numel() // k
+    if n < 1 or n > fused_max_n(True):
+        return None
+    x2 = x.reshape(n, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.empty((n, m), dtype=torch.bfloat16)
+    threads = _threads_override or torch.get_num_threads()
+    if _isa_override is None and cpu_dispatch.choose(n, m, k) == "panel":
+        _cpu_gemm.packed_gemm_bf16(x2.view(torch.int16).numpy(), *_packed_views(pt), m, k, bias,
+                                   out.view(torch.int16).numpy(), threads)
+    else:
+        _cpu_gemm.packed_gemm(x2.view(torch.int16).numpy(), *_packed_views(pt), m, k, bias,
+                              out.view(torch.int16).numpy(), threads, _isa_override or "auto")
+    return out.view(*x.shape[:-1], m)
+
+
 def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None = None, *,
                   isa: str | None = None, threads: int | None = None, kernel: str = "fused") -> torch.Tensor:
     """``F.linear(x, W, bias)`` for W in the byte-split layout, by ``kernel`` (see packed_gemm)."""

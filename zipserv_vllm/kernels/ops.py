@@ -105,6 +105,21 @@ def _(x, tiles, luts, exc_start, exc, m, k, bias, mode):
     return x.new_empty((*x.shape[:-1], m))
 
 
+_CPU = None
+
+
+def _cpu_kernels():
+    """The CPU backend module, imported on first use (this module imports no backend at module
+    level) and then held: an import statement per call costs microseconds when a decode step's
+    weight stream has pushed the interpreter's state out of the caches."""
+    global _CPU
+    if _CPU is None:
+        from . import cpu
+
+        _CPU = cpu
+    return _CPU
+
+
 def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,
            mode: str = "fast") -> torch.Tensor:
     """``F.linear(x, W, bias)`` for W compressed (CompressedTensor) or CPU-packed
@@ -119,11 +134,12 @@ def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Ten
         # Eager CPU: call the fused kernel directly; the custom-op dispatcher
         # adds ~60 us per call, a lot for a decode step's small GEMMs. Traced
         # code goes through the op below (same kernel).
-        from . import cpu as cpu_kernels
-
-        if cpu_kernels.use_fused(x, bias, m, packed):
-            if packed:
-                return cpu_kernels.packed_linear(x, ct, bias, kernel=cpu_kernels.fast_kernel(x, m, k))
+        cpu_kernels = _cpu_kernels()
+        if packed:
+            y = cpu_kernels.eager_packed_linear(x, ct, bias)
+            if y is not None:
+                return y
+        elif cpu_kernels.use_fused(x, bias, m, packed):
             return cpu_kernels.fused_gemm(x, ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k, bias)
     if packed:
         return packed_gemm(x, ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k, bias, mode)
