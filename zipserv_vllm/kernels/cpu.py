@@ -253,46 +253,37 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
 
 def _packed_call(x, arrs, m, k, bias, isa, threads, kernel) -> torch.Tensor:
     x2, bias = _check_call(x, m, k, bias)
+    if kernel == "panel" and not bf16_supported():
+        raise ValueError("kernel 'panel' needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
+    return _packed_run(x, x2, arrs, m, k, bias, _threads(threads), kernel, isa)
+
+
+def _packed_run(x, x2, arrs, m, k, bias, threads: int, kernel: str, isa) -> torch.Tensor:
+    """The native call on checked arguments (x2: x as [N, k] contiguous bf16; bias: int16 numpy or None)."""
     out = torch.empty((x2.shape[0], m), dtype=torch.bfloat16)
     if kernel == "panel":
-        if not bf16_supported():
-            raise ValueError("kernel 'panel' needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
         _cpu_gemm.packed_gemm_bf16(x2.view(torch.int16).numpy(), *arrs, m, k, bias, out.view(torch.int16).numpy(),
-                                   _threads(threads))
-        return out.view(*x.shape[:-1], m)
-    if kernel != "fused":
-        raise ValueError(f"kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
-    _cpu_gemm.packed_gemm(x2.view(torch.int16).numpy(), *arrs, m, k, bias, out.view(torch.int16).numpy(),
-                          _threads(threads), isa or _isa_override or "auto")
+                                   threads)
+    else:
+        _cpu_gemm.packed_gemm(x2.view(torch.int16).numpy(), *arrs, m, k, bias, out.view(torch.int16).numpy(),
+                              threads, isa or _isa_override or "auto")
     return out.view(*x.shape[:-1], m)
 
 
 def eager_packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """Fast mode's eager call on a byte-split weight: ``use_fused``, ``fast_kernel`` and
-    ``packed_linear`` in one pass, each check done once. None when no fused kernel applies (the
-    caller then takes the op's path); the caller has checked that x's last dimension is W's K."""
-    if _cpu_gemm is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
+    """Fast mode's eager call on a byte-split weight: what ``use_fused`` + ``fast_kernel`` +
+    ``packed_linear`` do, with each check made once (``_why_not``'s) and no layer in between.
+    None when no fused kernel applies (the caller then takes the op's path); the caller has
+    checked that x's last dimension is W's K."""
     m, k = pt.shape
-    if bias is not None:
-        if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,):
-            return None
-        bias = _c(bias).view(torch.int16).numpy()
-    n = x.numel() // k
-    if n < 1 or n > fused_max_n(True):
+    if _why_not(x, bias, m, packed=True) is not None:
         return None
-    x2 = x.reshape(n, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    out = torch.empty((n, m), dtype=torch.bfloat16)
-    threads = _threads_override or torch.get_num_threads()
-    if _isa_override is None and cpu_dispatch.choose(n, m, k) == "panel":
-        _cpu_gemm.packed_gemm_bf16(x2.view(torch.int16).numpy(), *_packed_views(pt), m, k, bias,
-                                   out.view(torch.int16).numpy(), threads)
-    else:
-        _cpu_gemm.packed_gemm(x2.view(torch.int16).numpy(), *_packed_views(pt), m, k, bias,
-                              out.view(torch.int16).numpy(), threads, _isa_override or "auto")
-    return out.view(*x.shape[:-1], m)
+    x2 = _c(x.reshape(-1, k))
+    if bias is not None:
+        bias = _c(bias).view(torch.int16).numpy()
+    return _packed_run(x, x2, _packed_views(pt), m, k, bias, _threads(None), fast_kernel(x, m, k), None)
 
 
 def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None = None, *,

@@ -32,6 +32,21 @@ from ..format.cpu_layout import PackedTensor, reference_unpack
 MODES = ("fast", "exact")
 
 
+_CPU = None
+
+
+def _cpu_kernels():
+    """The CPU backend module, imported on first use (this module imports no backend at module
+    level) and then held: an import statement per call costs microseconds when a decode step's
+    weight stream has pushed the interpreter's state out of the caches."""
+    global _CPU
+    if _CPU is None:
+        from . import cpu
+
+        _CPU = cpu
+    return _CPU
+
+
 def _ct(bitmaps, base, offsets, sm, fb, m, k) -> CompressedTensor:
     return CompressedTensor((m, k), bitmaps, base, offsets, sm, fb)
 
@@ -58,8 +73,7 @@ def gemm(x: torch.Tensor, bitmaps: torch.Tensor, base: torch.Tensor, offsets: to
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "fast" and x.device.type == "cpu":
-        from . import cpu as cpu_kernels
-
+        cpu_kernels = _cpu_kernels()
         if cpu_kernels.use_fused(x, bias, m):
             return cpu_kernels.fused_gemm(x, bitmaps, base, offsets, sm, fb, m, k, bias)
     w = decompress(bitmaps, base, offsets, sm, fb, m, k)
@@ -74,8 +88,7 @@ def _(x, bitmaps, base, offsets, sm, fb, m, k, bias, mode):
 @torch.library.custom_op("zipserv::packed_decompress", mutates_args=())
 def packed_decompress(tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor, exc: torch.Tensor,
                       m: int, k: int) -> torch.Tensor:
-    from . import cpu as cpu_kernels
-
+    cpu_kernels = _cpu_kernels()
     pt = PackedTensor((m, k), tiles, luts, exc_start, exc)
     return cpu_kernels.packed_decode(pt) if cpu_kernels.available() else reference_unpack(pt)
 
@@ -91,8 +104,7 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "fast" and x.device.type == "cpu":
-        from . import cpu as cpu_kernels
-
+        cpu_kernels = _cpu_kernels()
         if cpu_kernels.use_fused(x, bias, m, packed=True):
             return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias,
                                            kernel=cpu_kernels.fast_kernel(x, m, k))
@@ -103,21 +115,6 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
 @packed_gemm.register_fake
 def _(x, tiles, luts, exc_start, exc, m, k, bias, mode):
     return x.new_empty((*x.shape[:-1], m))
-
-
-_CPU = None
-
-
-def _cpu_kernels():
-    """The CPU backend module, imported on first use (this module imports no backend at module
-    level) and then held: an import statement per call costs microseconds when a decode step's
-    weight stream has pushed the interpreter's state out of the caches."""
-    global _CPU
-    if _CPU is None:
-        from . import cpu
-
-        _CPU = cpu
-    return _CPU
 
 
 def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,
