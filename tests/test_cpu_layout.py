@@ -9,7 +9,7 @@
   without exceptions, and the fused N = 1 path equals the buffered one;
 * malformed exception lists are refused (kernel: ValueError naming the tile;
   PackedTensor.validate: FormatError);
-* ops / embedding over a PackedTensor.
+* ops / embedding over a PackedTensor, and the eager path's per-weight native entry.
 """
 
 from __future__ import annotations
@@ -252,6 +252,60 @@ def test_eager_call_checks_once_and_hands_back_what_it_does_not_serve(monkeypatc
     assert cpu_kernels.eager_packed_linear(x, pt, bias[:-1]) is None
     assert cpu_kernels.eager_packed_linear(_weight(9, 200, seed=1, scale=1.0), pt, None) is None  # > 8 tokens
     assert cpu_kernels.eager_packed_linear(x[:0], pt, None) is None
+
+
+def test_native_entry_bits_caching_and_refusals(monkeypatch):
+    """The per-weight native entry (kernels/cpu.py _native, the extension's PackedLinear) behind
+    eager_packed_linear: the bits of the array entry for both kernels, ragged K, bias, strided x;
+    one object per weight, rebuilt when the PackedTensor's arrays are replaced, holding the
+    weight's memory; non-contiguous arrays and set_isa hand the call back; malformed exception
+    lists and bad arguments are refused."""
+    w = _mixed_weight(130, 200)
+    pt = cpu_kernels.pack(w)
+    xs = _weight(19, 400, seed=5, scale=1.0)[:, ::2]  # strided: the entry takes a contiguous copy
+    bias = _weight(1, 130, seed=7).view(-1)
+    kernels = ("fused", "panel") if cpu_kernels.bf16_supported() else ("fused",)
+    for kernel in kernels:
+        monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
+        for n in (1, 5, 19):
+            for b in (None, bias):
+                y = cpu_kernels.eager_packed_linear(xs[:n], pt, b)
+                assert torch.equal(_bits(y), _bits(cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=kernel)))
+    nat = cpu_kernels._native(pt)
+    assert cpu_kernels._native(pt) is nat and (nat.m, nat.k) == (130, 200)
+    want = cpu_kernels.eager_packed_linear(xs[:3], pt, None)
+    pt.tiles = pt.tiles.clone()  # arrays replaced: a new object over the new arrays
+    assert cpu_kernels._native(pt) is not nat
+    assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)), _bits(want))
+    # the object holds the weight's memory: it outlives the PackedTensor
+    nat = cpu_kernels._native(pt)
+    del pt
+    x3 = xs[:3].contiguous()
+    y = torch.empty(3, 130, dtype=torch.bfloat16)
+    nat.run(x3.data_ptr(), 3, y.data_ptr(), 0, 1, kernels[-1] == "panel")
+    assert torch.equal(_bits(y), _bits(want))
+    with pytest.raises(ValueError, match="n must be positive"):
+        nat.run(x3.data_ptr(), 0, y.data_ptr(), 0, 1, False)
+    with pytest.raises(ValueError, match="addresses"):
+        nat.run(0, 3, y.data_ptr(), 0, 1, False)
+    # arrays that are not contiguous: no native object, the op's path serves the call
+    pt = cpu_kernels.pack(w)
+    odd = L.PackedTensor(pt.shape, pt.tiles, pt.luts.transpose(0, 1).contiguous().transpose(0, 1), pt.exc_start, pt.exc)
+    assert cpu_kernels._native(odd) is None and cpu_kernels.eager_packed_linear(xs[:3], odd, None) is None
+    assert torch.equal(_bits(zipserv_vllm.linear(xs[:3], odd)), _bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)))
+    monkeypatch.setattr(cpu_kernels, "_isa_override", "scalar")
+    assert cpu_kernels.eager_packed_linear(xs[:3], pt, None) is None
+    monkeypatch.setattr(cpu_kernels, "_isa_override", None)
+    # a malformed exception list is found by the kernel, named by tile
+    w = _weight(128, 128, seed=3)
+    w[0, :8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
+    bad = _corrupt(cpu_kernels.pack(w), "d_out_of_tile")
+    for kernel in kernels:
+        monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
+        with pytest.raises(ValueError, match=r"tile \(0, 0\) of the byte-split layout"):
+            cpu_kernels.eager_packed_linear(torch.ones(2, 128, dtype=torch.bfloat16), bad, None)
+    with pytest.raises(ValueError, match="luts has shape"):  # checked once, when the object is made
+        cpu_kernels._native(L.PackedTensor(bad.shape, bad.tiles, bad.luts[:1], bad.exc_start, bad.exc))
 
 
 def test_embedding_from_packed_table():

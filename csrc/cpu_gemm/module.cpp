@@ -133,23 +133,29 @@ GemmArgs gemm_args(int64_t m, int64_t k, const py::array& x, const py::object& b
   return a;
 }
 
+// y[n, m] = x[n, k] . W^T + bias by kernel function fn (W a Matrix or a Packed) on
+// checked, contiguous bf16 buffers (bias may be null); the caller has released the GIL.
+template <class W, class Fn>
+void fused_rows(const W& w, Fn fn, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
+                std::atomic<int64_t>& bad) {
+  const int64_t kp = w.kt * kTile;
+  std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < w.k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * w.k + c]);
+  const GemmJobT<W> job{w, xf.data(), n, kp, bias, y, &bad};
+  auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
+  parallel_for(w.mt, threads, body);
+}
+
 // y = x . W^T + bias by kernel function fn (W a Matrix or a Packed).
 template <class W, class Fn>
 void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py::array& out, int threads,
               std::atomic<int64_t>& bad) {
   const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
-  const int64_t n = args.n;
-  const uint16_t* bias_p = args.bias;
-  if (n == 0) return;
-  const int64_t kp = w.kt * kTile;
+  if (args.n == 0) return;
   py::gil_scoped_release nogil;
-  std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
-  const uint16_t* xs = static_cast<const uint16_t*>(x.data());
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < w.k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * w.k + c]);
-  const GemmJobT<W> job{w, xf.data(), n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
-  auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
-  parallel_for(w.mt, threads, body);
+  fused_rows(w, fn, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
+             static_cast<uint16_t*>(out.mutable_data()), threads, bad);
 }
 
 template <class W, class Fn>
@@ -267,6 +273,27 @@ void packed_embedding(const py::array& ids, const py::array& tiles, const py::ar
 
 constexpr int64_t kBf16Rows = 4;
 
+// y[n, m] = x[n, k] . W^T + bias by the AVX512-BF16 panel kernel on checked, contiguous bf16 buffers
+// (bias may be null); the caller has released the GIL and checks avx512bf16_alloc_failed() after.
+void panel_rows(const Packed& w, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
+                std::atomic<int64_t>& bad) {
+  const int64_t kp = w.kt * kTile;
+  // x zero-padded to Kp columns (a copy only when K is not a multiple of 64)
+  std::vector<uint16_t> xb;
+  if (kp != w.k) {
+    xb.assign(static_cast<size_t>(n * kp), 0);
+    for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
+    xs = xb.data();
+  }
+  const Bf16GemmJob job{w, xs, n, kp, bias, y, &bad};
+  const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
+  // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
+  // the next chunk of records (across row ends) while it multiplies the current one.
+  const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
+  auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
+  parallel_for(items, threads, body);
+}
+
 // y = x . W^T + bias by the AVX512-BF16 kernel (vdpbf16ps; not bit-identical to
 // the fp32 kernels above: kernel_avx512bf16.cpp states its numerics).
 void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::array& luts, const py::array& exc_start,
@@ -275,32 +302,57 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
   const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
-  const int64_t n = args.n;
-  const uint16_t* bias_p = args.bias;
-  if (n == 0) return;
-  const int64_t kp = w.kt * kTile;
+  if (args.n == 0) return;
   std::atomic<int64_t> bad{-1};
   {
     py::gil_scoped_release nogil;
-    // x zero-padded to Kp columns (a copy only when K is not a multiple of 64)
-    const uint16_t* xs = static_cast<const uint16_t*>(x.data());
-    std::vector<uint16_t> xb;
-    if (kp != w.k) {
-      xb.assign(static_cast<size_t>(n * kp), 0);
-      for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
-      xs = xb.data();
-    }
-    const Bf16GemmJob job{w, xs, n, kp, bias_p, static_cast<uint16_t*>(out.mutable_data()), &bad};
-    const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
-    // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
-    // the next chunk of records (across row ends) while it multiplies the current one.
-    const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
-    auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
-    parallel_for(items, threads, body);
+    panel_rows(w, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
+               static_cast<uint16_t*>(out.mutable_data()), threads, bad);
   }
   if (avx512bf16_alloc_failed()) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
+
+// One byte-split weight, checked once, for the eager fast path's per-call entry (kernels/cpu.py
+// NativeLinear): a decode step calls every layer once, and the per-call array checks and NumPy
+// conversions of packed_gemm / packed_gemm_bf16 cost more than the kernel at a few tokens when
+// the interpreter's state is cold. run() takes buffer addresses, which the Python side checks
+// (contiguous bf16 CPU tensors of the right sizes) before it calls; the weight's arrays are held.
+class PackedLinear {
+ public:
+  PackedLinear(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
+               int64_t m, int64_t k)
+      : held_{tiles, luts, exc_start, exc}, w_(packed(tiles, luts, exc_start, exc, m, k)), fused_(pick("auto")) {}
+
+  // y[n, m] = x[n, k] . W^T + bias; panel: the AVX512-BF16 kernel, else the fp32 fused kernel at the
+  // best ISA.
+  void run(uintptr_t x, int64_t n, uintptr_t y, uintptr_t bias, int threads, bool panel) const {
+    if (n < 1) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
+    if (!x || !y) throw std::invalid_argument("x and y must be addresses of buffers");
+    if (panel && !avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
+    const auto* xs = reinterpret_cast<const uint16_t*>(x);
+    const auto* bs = reinterpret_cast<const uint16_t*>(bias);
+    auto* ys = reinterpret_cast<uint16_t*>(y);
+    std::atomic<int64_t> bad{-1};
+    {
+      py::gil_scoped_release nogil;
+      if (panel)
+        panel_rows(w_, xs, n, bs, ys, threads, bad);
+      else
+        fused_rows(w_, fused_.packed_gemm_rows, xs, n, bs, ys, threads, bad);
+    }
+    if (panel && avx512bf16_alloc_failed()) throw std::bad_alloc();
+    raise_bad(bad.load(), w_.kt, kPackedBad);
+  }
+
+  int64_t m() const { return w_.m; }
+  int64_t k() const { return w_.k; }
+
+ private:
+  std::array<py::array, 4> held_;  // keep the weight's memory alive
+  Packed w_;
+  Kernel fused_;
+};
 
 // ---- one MoE layer's routed experts in one call (AVX512-BF16 panel kernel) ----
 // Expert weights come as a table of addresses, [E][kExpertCols] int64: tiles,
@@ -569,6 +621,15 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("packed_decode_bf16", &packed_decode_bf16, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"),
           py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"),
           "Decode W[m, k] by the AVX512-BF16 panel kernel's decode step (bit-exactness tests)");
+  py::class_<PackedLinear>(mod, "PackedLinear",
+                           "A byte-split weight checked once; run() is the eager fast path's per-call entry")
+      .def(py::init<const py::array&, const py::array&, const py::array&, const py::array&, int64_t, int64_t>(),
+           py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"))
+      .def("run", &PackedLinear::run, py::arg("x"), py::arg("n"), py::arg("y"), py::arg("bias"), py::arg("threads"),
+           py::arg("panel"),
+           "y[n, m] = x[n, k] . W^T + bias at the given addresses (contiguous bf16; bias 0 = none)")
+      .def_property_readonly("m", &PackedLinear::m)
+      .def_property_readonly("k", &PackedLinear::k);
   mod.def("pack", &pack, py::arg("w"), py::arg("threads"),
           "W (bf16 bits, uint16 [m, k]) -> (tiles, luts, exc_start, exc) of the byte-split layout");
   mod.def("layout_constants", &layout_constants, "The byte-split layout's constants (tests compare them with Python)");

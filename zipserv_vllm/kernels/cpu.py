@@ -128,11 +128,11 @@ def _why_not(x: torch.Tensor, bias: torch.Tensor | None, m: int, packed: bool = 
     """None when fast mode runs a fused kernel for this call, else the reason."""
     if _cpu_gemm is None:
         return _REASON
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         return f"x is on {x.device}, not the CPU"
     if x.dtype != torch.bfloat16:
         return f"x is {x.dtype}; the fused kernel takes bfloat16"
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (m,)):
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_cpu or bias.shape != (m,)):
         return f"bias is {bias.dtype} {list(bias.shape)} on {bias.device}; the fused kernel takes bfloat16 [{m}] on the CPU"
     n = x.numel() // max(1, x.shape[-1])
     if n < 1:
@@ -272,18 +272,45 @@ def _packed_run(x, x2, arrs, m, k, bias, threads: int, kernel: str, isa) -> torc
     return out.view(*x.shape[:-1], m)
 
 
+def _native(pt: PackedTensor):
+    """The extension's ``PackedLinear`` for ``pt`` (its arrays checked once), held on ``pt`` while its
+    four tensors are the same objects over the same storage; None where they are not contiguous CPU
+    tensors (the callers then take the array path, which copies)."""
+    ts = (pt.tiles, pt.luts, pt.exc_start, pt.exc)
+    hit = pt.__dict__.get("_native")
+    if (hit is not None and hit[0] is ts[0] and hit[1] is ts[1] and hit[2] is ts[2] and hit[3] is ts[3]
+            and hit[4] == ts[0].data_ptr()):
+        return hit[5]
+    if not all(t.is_cpu and t.is_contiguous() for t in ts):
+        return None
+    m, k = pt.shape
+    nat = _cpu_gemm.PackedLinear(*_views(ts), m, k)
+    pt.__dict__["_native"] = (*ts, ts[0].data_ptr(), nat)
+    return nat
+
+
 def eager_packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """Fast mode's eager call on a byte-split weight: what ``use_fused`` + ``fast_kernel`` +
-    ``packed_linear`` do, with each check made once (``_why_not``'s) and no layer in between.
-    None when no fused kernel applies (the caller then takes the op's path); the caller has
-    checked that x's last dimension is W's K."""
+    ``packed_linear`` do, with each check made once (``_why_not``'s) and the weight's arrays checked
+    once per weight (:func:`_native`), not per call: a decode step calls every layer once, and when
+    its weight stream has left the interpreter's state out of the caches the per-call NumPy views and
+    array checks cost about as much as the kernel at a few tokens (docs/CPU.md). None when no fused
+    kernel applies (the caller then takes the op's path); the caller has checked that x's last
+    dimension is W's K."""
     m, k = pt.shape
-    if _why_not(x, bias, m, packed=True) is not None:
+    if _isa_override is not None or _why_not(x, bias, m, packed=True) is not None:
         return None
-    x2 = _c(x.reshape(-1, k))
-    if bias is not None:
-        bias = _c(bias).view(torch.int16).numpy()
-    return _packed_run(x, x2, _packed_views(pt), m, k, bias, _threads(None), fast_kernel(x, m, k), None)
+    nat = _native(pt)
+    if nat is None:
+        return None
+    x2 = x if x.is_contiguous() else x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    n = x2.numel() // k
+    y = torch.empty((n, m), dtype=torch.bfloat16)
+    nat.run(x2.data_ptr(), n, y.data_ptr(), 0 if bias is None else bias.data_ptr(), _threads(None),
+            cpu_dispatch.choose(n, m, k) == "panel")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], m)
 
 
 def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None = None, *,

@@ -78,6 +78,8 @@ def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tenso
         raise RuntimeError(f"zipserv: layer {st.prefix} was never loaded")
     if mode == "exact":
         return exact_gemm(x, _full_weight(st), bias)
+    if len(st.parts) == 1 and st.parts[0].shape[0] == st.rows:  # (most layers: one part, no padding)
+        return ops.linear(x, st.parts[0], bias, mode="fast")
     outs, row = [], 0
     for p in st.parts:
         b = None if bias is None else bias[row : row + p.shape[0]]
