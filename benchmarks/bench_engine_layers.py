@@ -8,15 +8,17 @@ tokens the kernel benchmark's ratios overstate what a decode step gains.
 This benchmark measures where it matters: every linear layer's
 ``quant_method.apply`` (vLLM's ``UnquantizedLinearMethod`` /
 ``UnquantizedEmbeddingMethod`` for the lm_head, or zipserv's methods) is
-wrapped with a timer inside one real engine per variant (CPU backend,
+wrapped with a timer, and so is each MoE layer's (vLLM's
+``UnquantizedFusedMoEMethod`` or zipserv's), inside one real engine per variant (CPU backend,
 in-process engine core, eager), while greedy generations of ``--tokens`` new
 tokens run at each batch size. Calls are grouped by (output width, input
-width, tokens); decode calls are those with as many tokens as the batch.
+width, tokens), MoE layers as "moe HxH"; decode calls are those with as many
+tokens as the batch.
 
 Variants run in turn in fresh subprocesses, ``--rounds`` times alternating;
 per (shape, tokens) the median call time over all rounds is reported with
 the ratio BF16 / zipserv (> 1: zipserv faster), and per batch size the sum
-over one decode step's linear calls and the whole step's time. Same model
+over one decode step's timed calls and the whole step's time. Same model
 and cache directory as bench_vllm_e2e.py.
 
     .venv/bin/python benchmarks/bench_engine_layers.py [--size 0.4b] [--batches 1,8] [--rounds 2]
@@ -50,25 +52,26 @@ def child(model: str, batches: list[int], tokens: int, reps: int) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from zipserv_vllm.vllm_plugin import methods
+    from zipserv_vllm.vllm_plugin import methods, moe
 
     calls: dict[tuple, list[float]] = {}
     depth = [0]  # (zipserv's methods hand layers they keep BF16 to vLLM's: count such a call once)
 
-    def wrap(cls) -> None:
+    def wrap(cls, label: str = "") -> None:
         orig = cls.apply
 
-        def apply(self, layer, x, bias=None):
+        def apply(self, layer, x, *rest, **kw):
             depth[0] += 1
             t0 = time.perf_counter()
             try:
-                y = orig(self, layer, x, bias)
+                y = orig(self, layer, x, *rest, **kw)
             finally:
                 depth[0] -= 1
             if depth[0] == 0:
-                calls.setdefault((y.shape[-1], x.shape[-1], x.numel() // x.shape[-1]), []).append(
+                calls.setdefault((f"{label}{y.shape[-1]}x{x.shape[-1]}", x.numel() // x.shape[-1]), []).append(
                     time.perf_counter() - t0)
             return y
 
@@ -77,6 +80,8 @@ def child(model: str, batches: list[int], tokens: int, reps: int) -> dict:
     for cls in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, methods.ZipServLinearMethod,
                 methods.ZipServEmbeddingMethod):
         wrap(cls)
+    wrap(UnquantizedFusedMoEMethod, "moe ")  # a MoE layer's routed experts (models with experts)
+    wrap(moe.ZipServMoEMethod, "moe ")
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=256 << 20,
               seed=0, disable_log_stats=True, max_num_seqs=max(batches))
     out = {"torch_threads": torch.get_num_threads(), "batches": {}}
@@ -90,12 +95,12 @@ def child(model: str, batches: list[int], tokens: int, reps: int) -> dict:
             t0 = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             walls.append(time.perf_counter() - t0)
-        decode = {k: v for k, v in calls.items() if k[2] == b}
+        decode = {k: v for k, v in calls.items() if k[1] == b}
         steps = reps * (tokens - 1)  # the first token comes from the prefill
         out["batches"][str(b)] = {
-            "median_us": {f"{m}x{k}": round(statistics.median(v) * 1e6, 1) for (m, k, n), v in decode.items()},
-            "calls_per_step": {f"{m}x{k}": len(v) / steps for (m, k, n), v in decode.items()},
-            "linear_ms_per_step": round(sum(sum(v) for v in decode.values()) / steps * 1e3, 3),
+            "median_us": {s: round(statistics.median(v) * 1e6, 1) for (s, n), v in decode.items()},
+            "calls_per_step": {s: len(v) / steps for (s, n), v in decode.items()},
+            "layers_ms_per_step": round(sum(sum(v) for v in decode.values()) / steps * 1e3, 3),
             "generate_s": [round(w, 4) for w in walls],
         }
     return out
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
                 "median_us": {s: statistics.median(r["batches"][str(b)]["median_us"][s] for r in runs[name])
                               for s in shapes},
                 "calls_per_step": runs[name][0]["batches"][str(b)]["calls_per_step"],
-                "linear_ms_per_step": statistics.median(r["batches"][str(b)]["linear_ms_per_step"]
+                "layers_ms_per_step": statistics.median(r["batches"][str(b)]["layers_ms_per_step"]
                                                         for r in runs[name]),
                 "step_ms": statistics.median(1e3 * g / (args.tokens - 1) for r in runs[name]
                                              for g in r["batches"][str(b)]["generate_s"]),
@@ -164,14 +169,14 @@ def main(argv=None) -> int:
         bf, zp = per["bf16"], per["zipserv_fast"]
         ratios = {s: round(bf["median_us"][s] / zp["median_us"][s], 3) for s in bf["median_us"] if s in zp["median_us"]}
         result["batches"][str(b)] = {**per, "ratio_bf16_over_zipserv": ratios,
-                                     "linear_ratio": round(bf["linear_ms_per_step"] / zp["linear_ms_per_step"], 3),
+                                     "layers_ratio": round(bf["layers_ms_per_step"] / zp["layers_ms_per_step"], 3),
                                      "step_ratio": round(bf["step_ms"] / zp["step_ms"], 3)}
         print(f"batch {b}:")
         for s, r in sorted(ratios.items(), key=lambda kv: -bf["median_us"][kv[0]]):
-            print(f"  {s:>11}  x{bf['calls_per_step'][s]:4.0f}/step  BF16 {bf['median_us'][s]:8.1f} us  "
+            print(f"  {s:>14}  x{bf['calls_per_step'][s]:4.0f}/step  BF16 {bf['median_us'][s]:8.1f} us  "
                   f"zipserv {zp['median_us'][s]:8.1f} us  {r:.2f}x")
-        print(f"  linear calls per decode step: BF16 {bf['linear_ms_per_step']:.2f} ms, zipserv "
-              f"{zp['linear_ms_per_step']:.2f} ms ({result['batches'][str(b)]['linear_ratio']:.2f}x); "
+        print(f"  timed layers (linear, MoE) per decode step: BF16 {bf['layers_ms_per_step']:.2f} ms, zipserv "
+              f"{zp['layers_ms_per_step']:.2f} ms ({result['batches'][str(b)]['layers_ratio']:.2f}x); "
               f"whole generation per token: BF16 {bf['step_ms']:.2f} ms, zipserv {zp['step_ms']:.2f} ms "
               f"({result['batches'][str(b)]['step_ratio']:.2f}x)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

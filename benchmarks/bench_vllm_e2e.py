@@ -94,7 +94,8 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
     llm, start_s = _engine(model, max(batches))
     if os.environ.get("ZIPSERV_MODE") == "exact":
         reps = exact_reps
-    out = {"engine_start_s": start_s, "torch_threads": torch.get_num_threads(), "batches": {}}
+    out = {"engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
+           "enforce_eager": os.environ.get("BENCH_EAGER") == "1", "batches": {}}
     for b in batches:
         _generate(llm, b, short)  # warm-up
         ts, tl, toks = [], [], None
@@ -111,7 +112,8 @@ def serve_child(model: str, max_seqs: int) -> int:
     import torch
 
     llm, start_s = _engine(model, max_seqs)
-    print("BENCH_READY " + json.dumps({"engine_start_s": start_s, "torch_threads": torch.get_num_threads()}),
+    print("BENCH_READY " + json.dumps({"engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
+                                       "enforce_eager": os.environ.get("BENCH_EAGER") == "1"}),
           flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -162,7 +164,7 @@ def _interleaved(dirs: dict, names: list, batches: list, args) -> dict:
             print(f"starting {name} ...", flush=True)
             engines[name] = _Engine(dirs[ckpt], mode, max(batches), Path(args.workdir) / f"interleave-{name}.log")
         runs = {name: {"engine_start_s": e.info["engine_start_s"], "torch_threads": e.info["torch_threads"],
-                       "batches": {}} for name, e in engines.items()}
+                       "enforce_eager": e.info["enforce_eager"], "batches": {}} for name, e in engines.items()}
         for b in batches:
             ts = {n: [] for n in names}
             tl = {n: [] for n in names}
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    os.environ["BENCH_EAGER"] = "1" if args.eager else "0"  # the child processes read it
+    if not (args.child or args.serve_child):  # the child processes read it (their own argv has no --eager)
+        os.environ["BENCH_EAGER"] = "1" if args.eager else "0"
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.rounds < 1 or args.reps < 1:
         print("error: --rounds and --reps must be >= 1", file=sys.stderr)
@@ -277,7 +280,9 @@ def main(argv=None) -> int:
                 per_round[name].append(_run_child(dirs[ckpt], mode, args))
     for name, runs in per_round.items():
         merged = {"engine_start_s": [r["engine_start_s"] for r in runs], "torch_threads": runs[0]["torch_threads"],
-                  "batches": {}}
+                  "enforce_eager": runs[0]["enforce_eager"], "batches": {}}
+        if any(r["enforce_eager"] != bool(args.eager) for r in runs):  # what the engines really ran
+            raise SystemExit(f"{name}: an engine ran with enforce_eager != {bool(args.eager)}")
         for b in runs[0]["batches"]:
             ts = [t for r in runs for t in r["batches"][b]["t_short_s"]]
             tl = [t for r in runs for t in r["batches"][b]["t_long_s"]]

@@ -289,6 +289,20 @@ def test_linear_dispatch(monkeypatch):
         zipserv_vllm.linear(x, ct, bias, mode="fastest")
 
 
+def test_fused_max_n_follows_the_environment_every_call(monkeypatch):
+    """fused_max_n reads ZIPSERV_CPU_FUSED_MAX_N on every call through os.environ's own store
+    (kernels/cpu.py _env_reader): set, changed and removed through os.environ, it is seen at once."""
+    monkeypatch.delenv("ZIPSERV_CPU_FUSED_MAX_N", raising=False)
+    default = cpu_kernels.fused_max_n(packed=False)
+    monkeypatch.setenv("ZIPSERV_CPU_FUSED_MAX_N", "7")
+    assert cpu_kernels.fused_max_n(packed=False) == 7
+    os.environ["ZIPSERV_CPU_FUSED_MAX_N"] = "9"
+    assert cpu_kernels.fused_max_n(packed=False) == 9
+    del os.environ["ZIPSERV_CPU_FUSED_MAX_N"]
+    assert cpu_kernels.fused_max_n(packed=False) == default
+    assert cpu_kernels._env_reader("ZIPSERV_TEST_UNSET_VARIABLE")() is None
+
+
 def test_eager_bypass_equals_op_and_traces():
     """linear() calls the fused kernel directly in eager mode; the op gives the same bits and traces."""
     w = _weight(64, 128, seed=81)

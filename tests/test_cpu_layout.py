@@ -256,10 +256,16 @@ def test_eager_call_checks_once_and_hands_back_what_it_does_not_serve(monkeypatc
 
 def test_native_entry_bits_caching_and_refusals(monkeypatch):
     """The per-weight native entry (kernels/cpu.py _native, the extension's PackedLinear) behind
-    eager_packed_linear: the bits of the array entry for both kernels, ragged K, bias, strided x;
-    one object per weight, rebuilt when the PackedTensor's arrays are replaced, holding the
-    weight's memory; non-contiguous arrays and set_isa hand the call back; malformed exception
-    lists and bad arguments are refused."""
+    eager_packed_linear and the zipserv::packed_gemm op: the bits of the array entry for both kernels,
+    ragged K, bias, strided x; one object per weight, found by the eager call, the op and a compiled
+    graph alike, rebuilt when the arrays are replaced; the memory it reads stays alive (tiles holds
+    it, it holds the rest) and nothing of it leaks; non-contiguous arrays and set_isa hand the call
+    back; malformed exception lists and bad arguments are refused."""
+    import gc
+    import weakref
+
+    from zipserv_vllm.kernels import ops
+
     w = _mixed_weight(130, 200)
     pt = cpu_kernels.pack(w)
     xs = _weight(19, 400, seed=5, scale=1.0)[:, ::2]  # strided: the entry takes a contiguous copy
@@ -269,29 +275,49 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
         monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
         for n in (1, 5, 19):
             for b in (None, bias):
-                y = cpu_kernels.eager_packed_linear(xs[:n], pt, b)
-                assert torch.equal(_bits(y), _bits(cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=kernel)))
-    nat = cpu_kernels._native(pt)
-    assert cpu_kernels._native(pt) is nat and (nat.m, nat.k) == (130, 200)
+                want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=kernel)
+                assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:n], pt, b)), _bits(want))
+                assert torch.equal(_bits(ops.packed_gemm(xs[:n], pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200,
+                                                         b, "fast")), _bits(want))
+    monkeypatch.undo()
+    args = (pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)
+    nat = cpu_kernels._native(*args)
+    assert cpu_kernels._native(*args) is nat and (nat.m, nat.k) == (130, 200)
+    # a compiled graph runs the op on the same tensors: it finds the same object
+    made = []
+    monkeypatch.setattr(cpu_kernels._cpu_gemm, "PackedLinear",
+                        lambda *a, **kw: made.append(1) or type(nat)(*a, **kw))
+    traced = torch.compile(lambda a: zipserv_vllm.linear(a, pt), fullgraph=True)
     want = cpu_kernels.eager_packed_linear(xs[:3], pt, None)
-    pt.tiles = pt.tiles.clone()  # arrays replaced: a new object over the new arrays
-    assert cpu_kernels._native(pt) is not nat
+    assert torch.equal(_bits(traced(xs[:3].contiguous())), _bits(want)) and not made
+    pt.luts = pt.luts.clone()  # an array replaced: a new object over the new arrays
+    assert cpu_kernels._native(*(pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)) is not nat and made
     assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)), _bits(want))
-    # the object holds the weight's memory: it outlives the PackedTensor
-    nat = cpu_kernels._native(pt)
-    del pt
+    monkeypatch.undo()
+    del traced, args
+    torch._dynamo.reset()  # (the compiled graph held the weight's tensors)
+    # the object (held by tiles) holds the arrays' memory; all of it goes with the weight
     x3 = xs[:3].contiguous()
     y = torch.empty(3, 130, dtype=torch.bfloat16)
+    tiles, nat = pt.tiles, cpu_kernels._native(pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)
+    gone = weakref.ref(pt.exc)
+    del pt
+    gc.collect()
+    assert gone() is not None  # held by the object on tiles
     nat.run(x3.data_ptr(), 3, y.data_ptr(), 0, 1, kernels[-1] == "panel")
     assert torch.equal(_bits(y), _bits(want))
     with pytest.raises(ValueError, match="n must be positive"):
         nat.run(x3.data_ptr(), 0, y.data_ptr(), 0, 1, False)
     with pytest.raises(ValueError, match="addresses"):
         nat.run(0, 3, y.data_ptr(), 0, 1, False)
-    # arrays that are not contiguous: no native object, the op's path serves the call
+    tile_ref = weakref.ref(tiles)
+    del tiles, nat
+    gc.collect()
+    assert tile_ref() is None and gone() is None
+    # arrays that are not contiguous: no native object, the array path serves the call
     pt = cpu_kernels.pack(w)
     odd = L.PackedTensor(pt.shape, pt.tiles, pt.luts.transpose(0, 1).contiguous().transpose(0, 1), pt.exc_start, pt.exc)
-    assert cpu_kernels._native(odd) is None and cpu_kernels.eager_packed_linear(xs[:3], odd, None) is None
+    assert cpu_kernels.eager_packed_linear(xs[:3], odd, None) is None
     assert torch.equal(_bits(zipserv_vllm.linear(xs[:3], odd)), _bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)))
     monkeypatch.setattr(cpu_kernels, "_isa_override", "scalar")
     assert cpu_kernels.eager_packed_linear(xs[:3], pt, None) is None
@@ -305,7 +331,7 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
         with pytest.raises(ValueError, match=r"tile \(0, 0\) of the byte-split layout"):
             cpu_kernels.eager_packed_linear(torch.ones(2, 128, dtype=torch.bfloat16), bad, None)
     with pytest.raises(ValueError, match="luts has shape"):  # checked once, when the object is made
-        cpu_kernels._native(L.PackedTensor(bad.shape, bad.tiles, bad.luts[:1], bad.exc_start, bad.exc))
+        cpu_kernels._native(bad.tiles, bad.luts[:1], bad.exc_start, bad.exc, 128, 128)
 
 
 def test_embedding_from_packed_table():

@@ -313,16 +313,18 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
-// One byte-split weight, checked once, for the eager fast path's per-call entry (kernels/cpu.py
-// NativeLinear): a decode step calls every layer once, and the per-call array checks and NumPy
+// One byte-split weight, checked once, for the fast path's per-call entry (kernels/cpu.py
+// native_linear): a decode step calls every layer once, and the per-call array checks and NumPy
 // conversions of packed_gemm / packed_gemm_bf16 cost more than the kernel at a few tokens when
 // the interpreter's state is cold. run() takes buffer addresses, which the Python side checks
-// (contiguous bf16 CPU tensors of the right sizes) before it calls; the weight's arrays are held.
+// (contiguous bf16 CPU tensors of the right sizes) before it calls. The weight's arrays are held.
 class PackedLinear {
  public:
   PackedLinear(const py::array& tiles, const py::array& luts, const py::array& exc_start, const py::array& exc,
                int64_t m, int64_t k)
-      : held_{tiles, luts, exc_start, exc}, w_(packed(tiles, luts, exc_start, exc, m, k)), fused_(pick("auto")) {}
+      : held_{tiles, luts, exc_start, exc},
+        w_(packed(tiles, luts, exc_start, exc, m, k)),
+        fused_(pick("auto")) {}
 
   // y[n, m] = x[n, k] . W^T + bias; panel: the AVX512-BF16 kernel, else the fp32 fused kernel at the
   // best ISA.

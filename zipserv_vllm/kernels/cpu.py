@@ -73,6 +73,7 @@ def _need() -> None:
 
 
 _BF16 = _cpu_gemm is not None and bool(_cpu_gemm.bf16_supported())
+_BF16_DTYPE = torch.bfloat16
 
 
 def bf16_supported() -> bool:
@@ -104,7 +105,22 @@ def set_threads(threads: int | None) -> None:
     _threads_override = None if threads is None else int(threads)
 
 
-_max_n_cache: dict[bool, tuple[str | None, int]] = {}
+_max_n_cache: dict[bool, tuple[object, int]] = {}
+
+
+def _env_reader(name: str):
+    """A reader of one environment variable's raw value (None when unset): os.environ's own store
+    read directly on POSIX, ~1 µs with the caches cold, where ``os.environ.get`` takes ~7 (Python
+    frames, and a KeyError raised and caught for an unset variable); it sees every change made
+    through os.environ. Elsewhere ``os.environ.get``."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        key = os.fsencode(name)
+        return lambda: data.get(key)
+    return lambda: os.environ.get(name)
+
+
+_fused_max_n_raw = _env_reader("ZIPSERV_CPU_FUSED_MAX_N")
 
 
 def fused_max_n(packed: bool = True) -> int:
@@ -114,7 +130,7 @@ def fused_max_n(packed: bool = True) -> int:
     the fp32 one only).
 
     Read on every fast-mode call, so the parsed value is kept per raw value of the variable."""
-    raw = os.environ.get("ZIPSERV_CPU_FUSED_MAX_N")
+    raw = _fused_max_n_raw()
     hit = _max_n_cache.get(packed)
     if hit is None or hit[0] != raw:
         from ..settings import cpu_fused_max_n
@@ -272,45 +288,54 @@ def _packed_run(x, x2, arrs, m, k, bias, threads: int, kernel: str, isa) -> torc
     return out.view(*x.shape[:-1], m)
 
 
-def _native(pt: PackedTensor):
-    """The extension's ``PackedLinear`` for ``pt`` (its arrays checked once), held on ``pt`` while its
-    four tensors are the same objects over the same storage; None where they are not contiguous CPU
-    tensors (the callers then take the array path, which copies)."""
-    ts = (pt.tiles, pt.luts, pt.exc_start, pt.exc)
-    hit = pt.__dict__.get("_native")
-    if (hit is not None and hit[0] is ts[0] and hit[1] is ts[1] and hit[2] is ts[2] and hit[3] is ts[3]
-            and hit[4] == ts[0].data_ptr()):
-        return hit[5]
+def _native(tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor, exc: torch.Tensor, m: int, k: int):
+    """The extension's ``PackedLinear`` for a byte-split weight's arrays (checked once), held on the
+    ``tiles`` tensor while the other three are the same objects, ``tiles`` has the same storage and
+    the shape is the same; None where they are not contiguous CPU tensors (the callers then take the
+    array path, which copies). Eager calls and the ``zipserv::packed_gemm`` op (what compiled graphs
+    run) both find it there. The object holds NumPy views of the four arrays, whose bases are tensor
+    objects of their own, so ``tiles`` -> object -> views makes no reference cycle: all of it goes
+    with the weight (tests/test_cpu_layout.py checks that)."""
+    hit = tiles.__dict__.get("_zs_native")
+    if (hit is not None and hit[0] is luts and hit[1] is exc_start and hit[2] is exc
+            and hit[3] == tiles.data_ptr() and hit[4] == m and hit[5] == k):
+        return hit[6]
+    ts = (tiles, luts, exc_start, exc)
     if not all(t.is_cpu and t.is_contiguous() for t in ts):
         return None
-    m, k = pt.shape
     nat = _cpu_gemm.PackedLinear(*_views(ts), m, k)
-    pt.__dict__["_native"] = (*ts, ts[0].data_ptr(), nat)
+    tiles.__dict__["_zs_native"] = (luts, exc_start, exc, tiles.data_ptr(), m, k, nat)
     return nat
 
 
-def eager_packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """Fast mode's eager call on a byte-split weight: what ``use_fused`` + ``fast_kernel`` +
-    ``packed_linear`` do, with each check made once (``_why_not``'s) and the weight's arrays checked
+def native_linear(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
+                  exc: torch.Tensor, m: int, k: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Fast mode's CPU call on a byte-split weight's arrays: what ``use_fused`` + ``fast_kernel`` +
+    ``packed_gemm`` do, with each check made once (``_why_not``'s) and the weight's arrays checked
     once per weight (:func:`_native`), not per call: a decode step calls every layer once, and when
     its weight stream has left the interpreter's state out of the caches the per-call NumPy views and
     array checks cost about as much as the kernel at a few tokens (docs/CPU.md). None when no fused
-    kernel applies (the caller then takes the op's path); the caller has checked that x's last
-    dimension is W's K."""
-    m, k = pt.shape
+    kernel applies (the caller then takes the decode + F.linear path); the caller has checked that
+    x's last dimension is ``k``."""
     if _isa_override is not None or _why_not(x, bias, m, packed=True) is not None:
         return None
-    nat = _native(pt)
+    nat = _native(tiles, luts, exc_start, exc, m, k)
     if nat is None:
         return None
     x2 = x if x.is_contiguous() else x.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     n = x2.numel() // k
-    y = torch.empty((n, m), dtype=torch.bfloat16)
+    y = torch.empty(n, m, dtype=_BF16_DTYPE)  # (positional sizes: ~3 µs less than a tuple when cold)
     nat.run(x2.data_ptr(), n, y.data_ptr(), 0 if bias is None else bias.data_ptr(), _threads(None),
             cpu_dispatch.choose(n, m, k) == "panel")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], m)
+
+
+def eager_packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`native_linear` on a PackedTensor (``zipserv_vllm.linear``'s eager CPU path)."""
+    m, k = pt.shape
+    return native_linear(x, pt.tiles, pt.luts, pt.exc_start, pt.exc, m, k, bias)
 
 
 def packed_linear(x: torch.Tensor, pt: PackedTensor, bias: torch.Tensor | None = None, *,

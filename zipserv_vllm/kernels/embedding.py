@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..format import CompressedTensor, spec
 from ..format.cpu_layout import PackedTensor
+from .ops import lean_op
 
 
 def _lookup(ids, decode_rows, device, m, k, rows):
@@ -72,7 +73,12 @@ def _(ids, bitmaps, base, offsets, sm, fb, m, k, rows):
     return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
 
 
-@torch.library.custom_op("zipserv::packed_embedding", mutates_args=())
+def _packed_embedding_fake(ids, tiles, luts, exc_start, exc, m, k, rows):
+    return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
+
+
+@lean_op("packed_embedding(Tensor ids, Tensor tiles, Tensor luts, Tensor exc_start, Tensor exc, int m, int k, "
+         "int rows) -> Tensor", _packed_embedding_fake)
 def packed_embedding(ids: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor,
                      exc: torch.Tensor, m: int, k: int, rows: int) -> torch.Tensor:
     from . import cpu as cpu_kernels
@@ -87,11 +93,6 @@ def packed_embedding(ids: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor,
         return packed_decompress(sub.tiles, sub.luts, sub.exc_start, sub.exc, sub_m, k)
 
     return _lookup(ids, decode_rows, tiles.device, m, k, rows)
-
-
-@packed_embedding.register_fake
-def _(ids, tiles, luts, exc_start, exc, m, k, rows):
-    return torch.empty((*ids.shape, k), dtype=torch.bfloat16, device=ids.device)
 
 
 def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor | PackedTensor, rows: int | None = None) -> torch.Tensor:

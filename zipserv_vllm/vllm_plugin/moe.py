@@ -49,6 +49,7 @@ from torch.nn import Parameter
 
 from ..codec import check_tiles
 from ..format import spec
+from ..kernels import ops
 from . import compat, loading
 from .log import logger
 
@@ -117,7 +118,12 @@ def _lookup(name: str) -> _Entry:
                        "outside a vLLM forward pass the traced op cannot tell which one to run")
 
 
-@torch.library.custom_op("zipserv::moe_experts", mutates_args=())
+def _moe_experts_fake(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
+
+
+@ops.lean_op("moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, str layer_name) -> Tensor",
+             _moe_experts_fake)
 def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
     """The routed experts of the MoE layer ``layer_name``, looked up by name at run time (never a
     number baked into a traced graph, which a compile cache could hand to another engine or process)."""
@@ -126,11 +132,6 @@ def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     if layer is None:
         raise RuntimeError("zipserv: a MoE layer was called after its model was freed")
     return entry.method.compute(layer, x, topk_weights, topk_ids)
-
-
-@_moe_experts.register_fake
-def _(x, topk_weights, topk_ids, layer_name):
-    return torch.empty_like(x)
 
 
 class _NotSmaller(ValueError):
