@@ -197,3 +197,23 @@ def test_repack_cpu_moves_layers_already_packed_beside_v1_ones():
     for w, st in zip(weights, states):
         assert st.arena is new and isinstance(st.parts[0], PackedTensor)
         assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
+
+
+def test_parts_epoch_moves_whenever_parts_are_assigned():
+    """loading.parts_epoch (what a MoE layer's cached expert address tables are checked against):
+    every assignment of a layer's parts moves it (construction, bind, re-encode, repack all assign)."""
+    from zipserv_vllm.vllm_plugin import loading
+
+    e0 = loading.parts_epoch()
+    st = loading.LayerState(prefix="l", kind="linear", rows=64, cols=64, device=torch.device("cpu"),
+                            expected_shards=[None])
+    e1 = loading.parts_epoch()
+    assert e1 != e0
+    arena = PagedArena(page_bytes=1 << 16, align=256)
+    st.arena, st.tables, st.part_shapes = arena, [store_compressed(arena, compress_tensor(_w(64, 64)))], [(64, 64)]
+    assert loading.parts_epoch() == e1  # other fields: no change
+    st.bind()
+    e2 = loading.parts_epoch()
+    assert e2 != e1 and len(st.parts) == 1
+    st.parts = []
+    assert loading.parts_epoch() != e2

@@ -72,9 +72,24 @@ def uses_packed(device: torch.device, mode: str) -> bool:
             and cpu_kernels.available())
 
 
+_PARTS_EPOCH = [0]
+
+
+def parts_epoch() -> int:
+    """A number that changes whenever any layer's ``parts`` are assigned (load, rebind, re-encode,
+    repack): what is cached from parts' tensors (a MoE layer's expert address tables) stays valid
+    while it is unchanged, checked in O(1) per call instead of walking every part."""
+    return _PARTS_EPOCH[0]
+
+
 @dataclass
 class LayerState:
     """What zipserv knows about one compressed layer (kept in ``layer._zs_state``)."""
+
+    def __setattr__(self, name, value):
+        if name == "parts":
+            _PARTS_EPOCH[0] += 1
+        object.__setattr__(self, name, value)
 
     prefix: str
     kind: str                       # "linear" or "embedding"
