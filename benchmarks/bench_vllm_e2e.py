@@ -74,6 +74,11 @@ def _engine(model: str, max_seqs: int):
     return llm, round(time.perf_counter() - t0, 2)
 
 
+def _ran_eager(llm) -> bool:
+    """Whether the engine really runs eager (its own configuration, not what was asked)."""
+    return bool(llm.llm_engine.vllm_config.model_config.enforce_eager)
+
+
 def _generate(llm, batch: int, tokens: int) -> tuple[float, list]:
     """Greedy generation of exactly ``tokens`` new tokens for ``batch`` prompts: (seconds, token ids)."""
     from vllm import SamplingParams
@@ -95,7 +100,7 @@ def child(model: str, batches: list[int], short: int, long: int, reps: int, exac
     if os.environ.get("ZIPSERV_MODE") == "exact":
         reps = exact_reps
     out = {"engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
-           "enforce_eager": os.environ.get("BENCH_EAGER") == "1", "batches": {}}
+           "enforce_eager": _ran_eager(llm), "batches": {}}
     for b in batches:
         _generate(llm, b, short)  # warm-up
         ts, tl, toks = [], [], None
@@ -113,7 +118,7 @@ def serve_child(model: str, max_seqs: int) -> int:
 
     llm, start_s = _engine(model, max_seqs)
     print("BENCH_READY " + json.dumps({"engine_start_s": start_s, "torch_threads": torch.get_num_threads(),
-                                       "enforce_eager": os.environ.get("BENCH_EAGER") == "1"}),
+                                       "enforce_eager": _ran_eager(llm)}),
           flush=True)
     for line in sys.stdin:
         cmd = line.split()

@@ -261,20 +261,26 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     graph alike, rebuilt when the arrays are replaced; the memory it reads stays alive (tiles holds
     it, it holds the rest) and nothing of it leaks; non-contiguous arrays and set_isa hand the call
     back; malformed exception lists and bad arguments are refused."""
+    import copy
     import gc
+    import io
     import weakref
 
     from zipserv_vllm.kernels import ops
+
+    def args_of(p):
+        return (p.tiles, p.luts, p.exc_start, p.exc, *p.shape)
 
     w = _mixed_weight(130, 200)
     pt = cpu_kernels.pack(w)
     xs = _weight(19, 400, seed=5, scale=1.0)[:, ::2]  # strided: the entry takes a contiguous copy
     bias = _weight(1, 130, seed=7).view(-1)
     kernels = ("fused", "panel") if cpu_kernels.bf16_supported() else ("fused",)
+    strided_bias = torch.stack([bias, bias], 1)[:, 0]  # not contiguous: the entry takes a copy
     for kernel in kernels:
         monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
         for n in (1, 5, 19):
-            for b in (None, bias):
+            for b in (None, bias, strided_bias):
                 want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=kernel)
                 assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:n], pt, b)), _bits(want))
                 assert torch.equal(_bits(ops.packed_gemm(xs[:n], pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200,
@@ -303,7 +309,7 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     gone = weakref.ref(pt.exc)
     del pt
     gc.collect()
-    assert gone() is not None  # held by the object on tiles
+    assert gone() is not None  # (the cache on tiles names the arrays it was made for)
     nat.run(x3.data_ptr(), 3, y.data_ptr(), 0, 1, kernels[-1] == "panel")
     assert torch.equal(_bits(y), _bits(want))
     with pytest.raises(ValueError, match="n must be positive"):
@@ -314,6 +320,19 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     del tiles, nat
     gc.collect()
     assert tile_ref() is None and gone() is None
+    # copies and pickles of a weight leave the cached object behind (it cannot be copied)
+    pt = cpu_kernels.pack(w)
+    cpu_kernels.eager_packed_linear(xs[:3], pt, None)
+    assert isinstance(pt.tiles.__dict__["_zs_native"].obj, type(cpu_kernels._native(*args_of(pt))))
+    twin = copy.deepcopy(pt)
+    assert twin.tiles.__dict__["_zs_native"].obj is None
+    assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], twin, None)), _bits(want))
+    buf = io.BytesIO()
+    torch.save(pt.tiles, buf)
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=False), pt.tiles)
+    # the output is a CPU tensor whatever torch's default device is
+    with torch.device("meta"):
+        assert cpu_kernels.eager_packed_linear(xs[:3], pt, None).device.type == "cpu"
     # arrays that are not contiguous: no native object, the array path serves the call
     pt = cpu_kernels.pack(w)
     odd = L.PackedTensor(pt.shape, pt.tiles, pt.luts.transpose(0, 1).contiguous().transpose(0, 1), pt.exc_start, pt.exc)

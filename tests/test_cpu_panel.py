@@ -302,6 +302,13 @@ def test_cache_key(monkeypatch, tmp_path):
     assert a != cpu_dispatch.cache_file(1, "1.0") and a != cpu_dispatch.cache_file(2, "1.1")
     monkeypatch.setattr(cpu_dispatch, "cpu_identity", lambda: "Other CPU [avx2]")
     assert a != cpu_dispatch.cache_file(2, "1.0")
+    monkeypatch.undo()
+    monkeypatch.setenv("ZIPSERV_CACHE", str(tmp_path))
+    assert cpu_dispatch.cache_file(2, "1.0") == a
+    build = cpu_dispatch.kernels_build_id()  # another build of the kernels: another file
+    assert build != "none" and len(build) == 16
+    monkeypatch.setattr(cpu_dispatch, "_BUILD_ID", ["0123456789abcdef"])
+    assert cpu_dispatch.cache_file(2, "1.0") != a
 
 
 def test_cpu_identity_names_the_isa():

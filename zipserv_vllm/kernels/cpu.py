@@ -74,6 +74,7 @@ def _need() -> None:
 
 _BF16 = _cpu_gemm is not None and bool(_cpu_gemm.bf16_supported())
 _BF16_DTYPE = torch.bfloat16
+_CPU = torch.device("cpu")  # (the output's device, whatever torch's default device is)
 
 
 def bf16_supported() -> bool:
@@ -288,23 +289,44 @@ def _packed_run(x, x2, arrs, m, k, bias, threads: int, kernel: str, isa) -> torc
     return out.view(*x.shape[:-1], m)
 
 
+class _Held:
+    """A native object cached on a tensor by :func:`_native`. Copies and pickles of the tensor
+    (``copy.deepcopy``, ``torch.save``, which take its ``__dict__`` along) get an empty one: the
+    object cannot be copied, and a copy's arrays are other memory."""
+
+    __slots__ = ("key", "obj")
+
+    def __init__(self, key=None, obj=None):
+        self.key, self.obj = key, obj
+
+    def __reduce__(self):
+        return (_Held, ())
+
+    def __copy__(self):
+        return _Held()
+
+    def __deepcopy__(self, memo):
+        return _Held()
+
+
 def _native(tiles: torch.Tensor, luts: torch.Tensor, exc_start: torch.Tensor, exc: torch.Tensor, m: int, k: int):
     """The extension's ``PackedLinear`` for a byte-split weight's arrays (checked once), held on the
-    ``tiles`` tensor while the other three are the same objects, ``tiles`` has the same storage and
+    ``tiles`` tensor while the other three are the same objects, all four have the same storage and
     the shape is the same; None where they are not contiguous CPU tensors (the callers then take the
     array path, which copies). Eager calls and the ``zipserv::packed_gemm`` op (what compiled graphs
     run) both find it there. The object holds NumPy views of the four arrays, whose bases are tensor
     objects of their own, so ``tiles`` -> object -> views makes no reference cycle: all of it goes
     with the weight (tests/test_cpu_layout.py checks that)."""
     hit = tiles.__dict__.get("_zs_native")
-    if (hit is not None and hit[0] is luts and hit[1] is exc_start and hit[2] is exc
-            and hit[3] == tiles.data_ptr() and hit[4] == m and hit[5] == k):
-        return hit[6]
+    key = (tiles.data_ptr(), luts.data_ptr(), exc_start.data_ptr(), exc.data_ptr(), m, k)
+    if hit is not None and hit.key is not None and hit.key[0] is luts and hit.key[1] is exc_start \
+            and hit.key[2] is exc and hit.key[3] == key:
+        return hit.obj
     ts = (tiles, luts, exc_start, exc)
     if not all(t.is_cpu and t.is_contiguous() for t in ts):
         return None
     nat = _cpu_gemm.PackedLinear(*_views(ts), m, k)
-    tiles.__dict__["_zs_native"] = (luts, exc_start, exc, tiles.data_ptr(), m, k, nat)
+    tiles.__dict__["_zs_native"] = _Held((luts, exc_start, exc, key), nat)
     return nat
 
 
@@ -326,7 +348,7 @@ def native_linear(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     n = x2.numel() // k
-    y = torch.empty(n, m, dtype=_BF16_DTYPE)  # (positional sizes: ~3 µs less than a tuple when cold)
+    y = torch.empty(n, m, dtype=_BF16_DTYPE, device=_CPU)  # (positional sizes: ~3 µs less than a tuple, cold)
     nat.run(x2.data_ptr(), n, y.data_ptr(), 0 if bias is None else bias.data_ptr(), _threads(None),
             cpu_dispatch.choose(n, m, k) == "panel")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], m)

@@ -19,7 +19,8 @@ layers (:data:`BUCKETS`; kernels/autotune.py does the bookkeeping within a
 time budget), installs the fastest candidate per bucket with
 :func:`set_measured`, logs one line per shape with the measured ratios against
 the baseline, and caches the timings on disk keyed by the CPU (model name,
-ISA flags), the thread count, the package version and the baseline's versions (:func:`cache_file`).
+ISA flags), the thread count, the package version, the kernels' build and the baseline's versions
+(:func:`cache_file`).
 ``prefer: speed`` keeps a layer BF16 where no candidate reaches the baseline
 (config.speed_reason). Where nothing was measured, :func:`default_kernel`
 decides: ``panel`` on CPUs with AVX512-BF16 (faster than ``fused`` at every
@@ -183,12 +184,31 @@ def cpu_identity() -> str:
     return f"{name} [{' '.join(have) or 'unknown'}]"
 
 
+_BUILD_ID: list[str] = []
+
+
+def kernels_build_id() -> str:
+    """The first 16 hex digits of the SHA-256 of the built CPU kernel extension (``"none"`` where it is
+    not built): timings measured with one build of the kernels say nothing of another, and a
+    development tree's kernels change without the package version. Computed once per process."""
+    if not _BUILD_ID:
+        import importlib.util
+
+        spec = importlib.util.find_spec("zipserv_vllm._cpu_gemm")
+        try:
+            with open(spec.origin, "rb") as fh:  # type: ignore[union-attr, arg-type]
+                _BUILD_ID.append(hashlib.sha256(fh.read()).hexdigest()[:16])
+        except (AttributeError, TypeError, OSError):
+            _BUILD_ID.append("none")
+    return _BUILD_ID[0]
+
+
 def cache_file(threads: int, version: str, baseline: str = "") -> Path:
     """``baseline``: what the BF16 timings depend on besides the CPU (the plugin passes the vLLM and
-    torch versions)."""
+    torch versions). The key also holds the kernels' build (:func:`kernels_build_id`)."""
     from ..cache import cache_dir
 
-    ident = f"{cpu_identity()} threads={threads} zipserv={version} {baseline}"
+    ident = f"{cpu_identity()} threads={threads} zipserv={version} kernels={kernels_build_id()} {baseline}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_dir() / "dispatch" / f"cpu-{digest}.json"
 

@@ -87,9 +87,9 @@ class LayerState:
     """What zipserv knows about one compressed layer (kept in ``layer._zs_state``)."""
 
     def __setattr__(self, name, value):
-        if name == "parts":
-            _PARTS_EPOCH[0] += 1
         object.__setattr__(self, name, value)
+        if name == "parts":  # (after the assignment: a reader that sees the new number sees the new parts)
+            _PARTS_EPOCH[0] += 1
 
     prefix: str
     kind: str                       # "linear" or "embedding"
