@@ -286,6 +286,8 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
                 assert torch.equal(_bits(ops.packed_gemm(xs[:n], pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200,
                                                          b, "fast")), _bits(want))
     monkeypatch.undo()
+    # one kernel from here on (another test may have installed measured choices for this shape)
+    monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k: kernels[-1])
     args = (pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)
     nat = cpu_kernels._native(*args)
     assert cpu_kernels._native(*args) is nat and (nat.m, nat.k) == (130, 200)
@@ -294,12 +296,14 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     monkeypatch.setattr(cpu_kernels._cpu_gemm, "PackedLinear",
                         lambda *a, **kw: made.append(1) or type(nat)(*a, **kw))
     traced = torch.compile(lambda a: zipserv_vllm.linear(a, pt), fullgraph=True)
-    want = cpu_kernels.eager_packed_linear(xs[:3], pt, None)
+    want = cpu_kernels.packed_linear(xs[:3].contiguous(), pt, None, kernel=kernels[-1])
+    assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)), _bits(want))
     assert torch.equal(_bits(traced(xs[:3].contiguous())), _bits(want)) and not made
     pt.luts = pt.luts.clone()  # an array replaced: a new object over the new arrays
     assert cpu_kernels._native(*(pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)) is not nat and made
     assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)), _bits(want))
     monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k: kernels[-1])
     del traced, args
     torch._dynamo.reset()  # (the compiled graph held the weight's tensors)
     # the object (held by tiles) holds the arrays' memory; all of it goes with the weight
