@@ -582,7 +582,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 or hidden % spec.TILE or inter % spec.TILE:
             return None
         # Valid while no layer's parts were assigned since (loading.parts_epoch): an O(1) check per call
-        # (walking the 2 E parts took 30 us a call in an eager engine, 160 us in a compiled one).
+        # instead of a Python walk over the 2 E parts on every call.
         epoch = loading.parts_epoch()
         cached = layer.__dict__.get("_zs_moe_tables")
         if cached is not None and cached[0] == epoch:
