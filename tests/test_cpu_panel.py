@@ -463,3 +463,39 @@ def test_moe_forward_routes_and_sums_like_the_grouped_path(on_input):
     assert empty.shape == (0, hidden)
     with pytest.raises(ValueError, match=r"topk_ids holds expert 5, outside \[0, 5\)"):
         cpu_kernels.moe_forward(x, ids + 1, w, t13, t2, inter)
+
+
+@needs_bf16
+def test_moe_layer_run_takes_addresses_after_its_checks():
+    """cpu_kernels.moe_layer / moe_run (the plugin's per-call entry: tables checked once and copied,
+    only buffer addresses cross per call) give moe_forward's bits for int32 and int64 ids, strided
+    inputs and fp64 weights; the tables can change after the layer is made (it holds a copy); wrong
+    sizes and ids outside the experts are refused before any weight is read; no tokens, no call."""
+    hidden, inter, n_exp = 128, 64, 5
+    p13, p2 = _experts(n_exp, hidden, inter, seed=70)
+    t13, t2 = cpu_kernels.expert_table(p13, (2 * inter, hidden)), cpu_kernels.expert_table(p2, (hidden, inter))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, hidden, generator=g).bfloat16()
+    ids = torch.tensor([[0, 3], [3, 3], [1, 0], [4, 2], [2, 1], [3, 4]], dtype=torch.int64)
+    w = torch.rand(6, 2, generator=g)
+    want = _bits(cpu_kernels.moe_forward(x, ids, w, t13, t2, inter))
+    layer = cpu_kernels.moe_layer(t13, t2, inter, hidden)
+    assert (layer.hidden, layer.inter, layer.experts) == (hidden, inter, n_exp)
+    t13[:] = 0  # the layer checked and copied the tables at construction
+    assert torch.equal(_bits(cpu_kernels.moe_run(layer, x, ids, w)), want)
+    assert torch.equal(_bits(cpu_kernels.moe_run(layer, x, ids.to(torch.int32), w.double())), want)
+    xs = torch.cat([x, x], 1)[:, :hidden]  # strided rows
+    ids_t, w_t = ids.t().contiguous().t(), w.t().contiguous().t()  # column-major
+    assert not (xs.is_contiguous() or ids_t.is_contiguous() or w_t.is_contiguous())
+    assert torch.equal(_bits(cpu_kernels.moe_run(layer, xs, ids_t, w_t)), want)
+    assert cpu_kernels.moe_run(layer, x[:0], ids[:0], w[:0]).shape == (0, hidden)
+    with pytest.raises(ValueError, match="128 columns"):
+        cpu_kernels.moe_run(layer, x[:, :64], ids, w)
+    with pytest.raises(ValueError, match=r"\[6, k\]"):
+        cpu_kernels.moe_run(layer, x, ids[:5], w[:5])
+    with pytest.raises(ValueError, match=r"\[6, k\]"):
+        cpu_kernels.moe_run(layer, x, ids, w[:, :1])
+    with pytest.raises(ValueError, match=r"topk_ids holds expert -1, outside \[0, 5\)"):
+        cpu_kernels.moe_run(layer, x, ids - 1, w)
+    with pytest.raises(ValueError, match="w13: expert 0 is 128 x 128"):
+        cpu_kernels.moe_layer(cpu_kernels.expert_table(p13, (2 * inter, hidden)), t2, inter, 2 * hidden)

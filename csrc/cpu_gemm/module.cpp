@@ -413,6 +413,10 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
   return true;
 }
 
+// Element count under which the MoE layer's small steps (gather, SiLU x up, weighted sum) run on the
+// calling thread: at a few tokens, entering and leaving a parallel region costs more than the work.
+constexpr int64_t kSmallWork = 1 << 16;
+
 // The routed experts' outputs y[r] for rows xs[r] grouped by expert (bounds[e]
 // .. bounds[e + 1] for expert e): h = xs . W13_e^T (bf16), act = bf16(silu(gate)
 // * up) in fp32, y = act . W2_e^T. Runs without the GIL; returns "" or the error.
@@ -424,7 +428,7 @@ std::string experts_forward(const uint16_t* xs, const int64_t* bd, int64_t e_cou
   if (!experts_gemm(t13, bd, e_count, 2 * inter, hidden, xs, hp, threads, bad_e, bad_g))
     return "expert " + std::to_string(bad_e) + " (w13): " + bad_tile_text(bad_g, tile_count(hidden), kPackedBad);
   auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
-  parallel_for(r, threads, silu_mul);
+  parallel_for(r, r * inter < kSmallWork ? 1 : threads, silu_mul);
   if (!experts_gemm(t2, bd, e_count, hidden, inter, ap, y, threads, bad_e, bad_g))
     return "expert " + std::to_string(bad_e) + " (w2): " + bad_tile_text(bad_g, tile_count(inter), kPackedBad);
   return "";
@@ -468,78 +472,109 @@ void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::ar
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
-// A whole MoE layer's routed experts: out[t] = sum over j of w[t][j] * expert ids[t][j](x[t]) (fp32 sum
-// in increasing j, then bf16; with on_input, the weight scales x[t] (bf16) instead and the outputs are
-// summed unweighted). Rows are grouped by expert in (token, j) order; ids outside [0, E) are refused.
-py::array moe_forward_bf16(const py::array& x, const py::array& ids, const py::array& weights, const py::array& w13,
-                           const py::array& w2, int64_t inter, bool on_input, int threads) {
-  check(x, "x", "ui", 2, {-1, -1});
-  const int64_t t_count = x.shape(0), hidden = x.shape(1);
-  check(ids, "topk_ids", "i", 4, {t_count, -1});
-  const int64_t k = ids.shape(1);
-  check(weights, "topk_weights", "f", 4, {t_count, k});
-  const int64_t e_count = w13.ndim() == 2 ? w13.shape(0) : 0;
-  check_moe_sizes(inter, hidden, w13, w2, e_count);
-  if (e_count < 1) throw std::invalid_argument("w13 must name at least one expert");
-  py::array_t<uint16_t> out({t_count, hidden});
-  const int32_t* id = static_cast<const int32_t*>(ids.data());
-  const float* wt = static_cast<const float*>(weights.data());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.data());
-  uint16_t* op = out.mutable_data();
-  for (int64_t i = 0; i < t_count * k; ++i)
+// A whole MoE layer's routed experts for tokens xp [t_count][hidden]: out[t] = sum over j of
+// w[t][j] * expert ids[t][j](x[t]) (fp32 sum in increasing j, then bf16; with on_input, the weight
+// scales x[t] (bf16) instead and the outputs are summed unweighted). ids: [t_count][k] of int32
+// (id_bytes 4) or int64 (8). Rows are grouped by expert in (token, j) order; ids outside [0, E) are
+// refused before any weight is read. Runs without the GIL; returns "" or the error.
+std::string moe_forward_core(const uint16_t* xp, int64_t t_count, int64_t hidden, const void* ids, int id_bytes,
+                             const float* wt, int64_t k, const int64_t* t13, const int64_t* t2, int64_t e_count,
+                             int64_t inter, bool on_input, uint16_t* op, int threads) {
+  const int64_t r = t_count * k;
+  std::vector<int64_t> id(static_cast<size_t>(r));
+  for (int64_t i = 0; i < r; ++i) {
+    id[i] = id_bytes == 4 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
     if (id[i] < 0 || id[i] >= e_count)
-      throw std::invalid_argument("topk_ids holds expert " + std::to_string(id[i]) + ", outside [0, " +
-                                  std::to_string(e_count) + ")");
-  std::string err;
-  {
-    py::gil_scoped_release nogil;
-    const int64_t r = t_count * k;
-    std::vector<int64_t> bd(static_cast<size_t>(e_count + 1), 0), slot(static_cast<size_t>(r));
-    for (int64_t i = 0; i < r; ++i) ++bd[id[i] + 1];
-    for (int64_t e = 0; e < e_count; ++e) bd[e + 1] += bd[e];
-    std::vector<int64_t> fill(bd.begin(), bd.end() - 1), row_of(static_cast<size_t>(r));
-    for (int64_t i = 0; i < r; ++i) {  // i = t * k + j, in order: stable per expert
-      row_of[i] = fill[id[i]]++;
-      slot[row_of[i]] = i;
-    }
-    std::vector<uint16_t> xs(static_cast<size_t>(r * hidden)), h(static_cast<size_t>(r * 2 * inter)),
-        act(static_cast<size_t>(r * inter)), y(static_cast<size_t>(r * hidden));
-    auto gather = [&](int64_t a, int64_t b) {
-      for (int64_t row = a; row < b; ++row) {
-        const int64_t i = slot[row], t = i / k;
-        if (on_input)
-          for (int64_t c = 0; c < hidden; ++c)
-            xs[row * hidden + c] = float_to_bf16(bf16_to_float(xp[t * hidden + c]) * wt[i]);
-        else
-          std::memcpy(xs.data() + row * hidden, xp + t * hidden, static_cast<size_t>(hidden) * 2);
-      }
-    };
-    parallel_for(r, threads, gather);
-    if (r > 0)
-      err = experts_forward(xs.data(), bd.data(), e_count, static_cast<const int64_t*>(w13.data()),
-                            static_cast<const int64_t*>(w2.data()), inter, hidden, h.data(), act.data(), y.data(),
-                            threads);
-    if (err.empty()) {
-      auto combine = [&](int64_t a, int64_t b) {
-        for (int64_t t = a; t < b; ++t)
-          for (int64_t c0 = 0; c0 < hidden; c0 += 16) {
-            float acc[16] = {};
-            for (int64_t j = 0; j < k; ++j) {
-              const int64_t i = t * k + j;
-              const uint16_t* yr = y.data() + row_of[i] * hidden + c0;
-              const float s = on_input ? 1.0f : wt[i];
-              for (int l = 0; l < 16; ++l) acc[l] += s * bf16_to_float(yr[l]);
-            }
-            for (int l = 0; l < 16; ++l) op[t * hidden + c0 + l] = float_to_bf16(acc[l]);
-          }
-      };
-      parallel_for(t_count, threads, combine);
-    }
+      return "topk_ids holds expert " + std::to_string(id[i]) + ", outside [0, " + std::to_string(e_count) + ")";
   }
-  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
-  if (!err.empty()) throw std::invalid_argument(err);
-  return out;
+  if (r == 0) return "";
+  std::vector<int64_t> bd(static_cast<size_t>(e_count + 1), 0), slot(static_cast<size_t>(r));
+  for (int64_t i = 0; i < r; ++i) ++bd[id[i] + 1];
+  for (int64_t e = 0; e < e_count; ++e) bd[e + 1] += bd[e];
+  std::vector<int64_t> fill(bd.begin(), bd.end() - 1), row_of(static_cast<size_t>(r));
+  for (int64_t i = 0; i < r; ++i) {  // i = t * k + j, in order: stable per expert
+    row_of[i] = fill[id[i]]++;
+    slot[row_of[i]] = i;
+  }
+  std::vector<uint16_t> xs(static_cast<size_t>(r * hidden)), h(static_cast<size_t>(r * 2 * inter)),
+      act(static_cast<size_t>(r * inter)), y(static_cast<size_t>(r * hidden));
+  auto gather = [&](int64_t a, int64_t b) {
+    for (int64_t row = a; row < b; ++row) {
+      const int64_t i = slot[row], t = i / k;
+      if (on_input)
+        for (int64_t c = 0; c < hidden; ++c)
+          xs[row * hidden + c] = float_to_bf16(bf16_to_float(xp[t * hidden + c]) * wt[i]);
+      else
+        std::memcpy(xs.data() + row * hidden, xp + t * hidden, static_cast<size_t>(hidden) * 2);
+    }
+  };
+  // (a few rows, as at decode: one thread, no parallel region to enter and leave)
+  parallel_for(r, r * hidden < kSmallWork ? 1 : threads, gather);
+  const std::string err =
+      experts_forward(xs.data(), bd.data(), e_count, t13, t2, inter, hidden, h.data(), act.data(), y.data(), threads);
+  if (!err.empty()) return err;
+  auto combine = [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t c0 = 0; c0 < hidden; c0 += 16) {
+        float acc[16] = {};
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t i = t * k + j;
+          const uint16_t* yr = y.data() + row_of[i] * hidden + c0;
+          const float s = on_input ? 1.0f : wt[i];
+          for (int l = 0; l < 16; ++l) acc[l] += s * bf16_to_float(yr[l]);
+        }
+        for (int l = 0; l < 16; ++l) op[t * hidden + c0 + l] = float_to_bf16(acc[l]);
+      }
+  };
+  parallel_for(t_count, t_count * k * hidden < kSmallWork ? 1 : threads, combine);
+  return "";
 }
+
+// One MoE layer's expert tables (kExpertCols addresses and sizes per expert, kernels/cpu.py
+// expert_table), checked once and copied: the fast path's per-call entry (kernels/cpu.py moe_run).
+// A decode step calls every MoE layer once, and the per-call NumPy conversions and table checks of
+// an array entry cost tens of microseconds when the interpreter's state is cold. run() takes buffer
+// addresses, which the Python side checks (contiguous CPU tensors of the right dtypes and sizes)
+// before it calls; the caller keeps the experts' tensors alive.
+class MoeLayer {
+ public:
+  MoeLayer(const py::array& w13, const py::array& w2, int64_t inter, int64_t hidden)
+      : inter_(inter), hidden_(hidden), e_count_(w13.ndim() == 2 ? w13.shape(0) : 0) {
+    check_moe_sizes(inter, hidden, w13, w2, e_count_);
+    if (e_count_ < 1) throw std::invalid_argument("w13 must name at least one expert");
+    const auto* a = static_cast<const int64_t*>(w13.data());
+    const auto* b = static_cast<const int64_t*>(w2.data());
+    t13_.assign(a, a + e_count_ * kExpertCols);
+    t2_.assign(b, b + e_count_ * kExpertCols);
+  }
+
+  // out[t_count, hidden] (bf16) for x[t_count, hidden] (bf16), ids[t_count, k] (int32 or int64 by
+  // id_bytes) and weights[t_count, k] (fp32), all contiguous at the given addresses.
+  void run(uintptr_t x, int64_t t_count, uintptr_t ids, int id_bytes, uintptr_t weights, int64_t k, uintptr_t out,
+           bool on_input, int threads) const {
+    if (t_count < 0 || k < 1) throw std::invalid_argument("t_count must be >= 0 and k >= 1");
+    if (id_bytes != 4 && id_bytes != 8) throw std::invalid_argument("topk_ids must be int32 or int64");
+    if (t_count == 0) return;
+    if (!x || !ids || !weights || !out) throw std::invalid_argument("x, ids, weights and out must be addresses of buffers");
+    std::string err;
+    {
+      py::gil_scoped_release nogil;
+      err = moe_forward_core(reinterpret_cast<const uint16_t*>(x), t_count, hidden_, reinterpret_cast<const void*>(ids),
+                             id_bytes, reinterpret_cast<const float*>(weights), k, t13_.data(), t2_.data(), e_count_,
+                             inter_, on_input, reinterpret_cast<uint16_t*>(out), threads);
+    }
+    if (avx512bf16_alloc_failed()) throw std::bad_alloc();
+    if (!err.empty()) throw std::invalid_argument(err);
+  }
+
+  int64_t hidden() const { return hidden_; }
+  int64_t inter() const { return inter_; }
+  int64_t experts() const { return e_count_; }
+
+ private:
+  int64_t inter_, hidden_, e_count_;
+  std::vector<int64_t> t13_, t2_;
+};
 
 void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py::array& exc_start,
                         const py::array& exc, int64_t m, int64_t k, py::array out, int threads) {
@@ -608,9 +643,17 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("moe_experts_bf16", &moe_experts_bf16, py::arg("xs"), py::arg("bounds"), py::arg("w13"), py::arg("w2"),
           py::arg("inter"), py::arg("hidden"), py::arg("h"), py::arg("act"), py::arg("y"), py::arg("threads"),
           "One MoE layer's routed experts (w13, SiLU x up, w2) by the AVX512-BF16 panel kernel, one call");
-  mod.def("moe_forward_bf16", &moe_forward_bf16, py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"),
-          py::arg("w13"), py::arg("w2"), py::arg("inter"), py::arg("on_input"), py::arg("threads"),
-          "A MoE layer's routed experts for tokens x (routing, both GEMMs, SiLU x up, weighted sum), one call");
+  py::class_<MoeLayer>(mod, "MoeLayer",
+                       "A MoE layer's expert tables checked once; run() is the fast path's per-call entry")
+      .def(py::init<const py::array&, const py::array&, int64_t, int64_t>(), py::arg("w13"), py::arg("w2"),
+           py::arg("inter"), py::arg("hidden"))
+      .def("run", &MoeLayer::run, py::arg("x"), py::arg("t_count"), py::arg("ids"), py::arg("id_bytes"),
+           py::arg("weights"), py::arg("k"), py::arg("out"), py::arg("on_input"), py::arg("threads"),
+           "A MoE layer's routed experts for tokens x (routing, both GEMMs, SiLU x up, weighted sum), one call, "
+           "on buffers at the given addresses")
+      .def_property_readonly("hidden", &MoeLayer::hidden)
+      .def_property_readonly("inter", &MoeLayer::inter)
+      .def_property_readonly("experts", &MoeLayer::experts);
   mod.def("packed_embedding", &packed_embedding, py::arg("ids"), py::arg("tiles"), py::arg("luts"),
           py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("rows"), py::arg("out"),
           py::arg("threads"), py::arg("isa"),

@@ -472,20 +472,54 @@ def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.nda
     return y
 
 
-def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: np.ndarray,
-                w2: np.ndarray, inter: int, *, on_input: bool = False, threads: int | None = None) -> torch.Tensor:
-    """A MoE layer's routed experts for tokens ``x`` [T, H] in one native call: the rows grouped by
-    expert, both GEMMs and SiLU x up as :func:`moe_experts`, and ``out[t] = sum_j w[t, j] *
-    y[t, j]`` in fp32 (``on_input``: the weight scales ``x[t]`` instead), returned as bf16 [T, H]."""
+def moe_layer(w13: np.ndarray, w2: np.ndarray, inter: int, hidden: int):
+    """The extension's ``MoeLayer`` for one MoE layer's :func:`expert_table`\ s (``w13``: gate rows
+    then up rows, 2 I x H; ``w2``: H x I): the tables checked against the sizes once and copied;
+    the experts' tensors must outlive it (the caller keeps them). Run it with :func:`moe_run`."""
     _need()
     if not bf16_supported():
-        raise ValueError("moe_forward needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+        raise ValueError("the one-call MoE kernel needs a CPU with AVX512-BF16 (vdpbf16ps); this one has none")
+    return _cpu_gemm.MoeLayer(w13, w2, int(inter), int(hidden))
+
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def moe_run(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+            on_input: bool = False, threads: int | None = None) -> torch.Tensor:
+    """A MoE layer's routed experts for tokens ``x`` [T, H] in one native call through ``layer``
+    (:func:`moe_layer`): the rows grouped by expert, both GEMMs and SiLU x up as :func:`moe_experts`,
+    and ``out[t] = sum_j w[t, j] * y[t, j]`` in fp32 (``on_input``: the weight scales ``x[t]``
+    instead), returned as bf16 [T, H]. Only the buffers' addresses cross into the extension, after
+    the checks here (the per-call cost of a decode step's MoE layer)."""
+    if x.dtype != _BF16_DTYPE or x.dim() != 2 or not x.is_cpu or x.shape[1] != layer.hidden:
+        raise ValueError(f"x must be a 2-D bfloat16 CPU tensor of {layer.hidden} columns, got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    t = x.shape[0]
+    ids = topk_ids if topk_ids.dtype in _ID_DTYPES else topk_ids.to(torch.int64)
+    wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+    if ids.dim() != 2 or ids.shape[0] != t or not ids.is_cpu or tuple(wts.shape) != tuple(ids.shape) \
+            or not wts.is_cpu or ids.shape[1] < 1:
+        raise ValueError(f"topk_ids and topk_weights must be [{t}, k] CPU tensors, got {list(ids.shape)} and "
+                         f"{list(wts.shape)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    wts = wts if wts.is_contiguous() else wts.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(t, layer.hidden, dtype=_BF16_DTYPE, device=_CPU)
+    if t:
+        layer.run(x.data_ptr(), t, ids.data_ptr(), ids.element_size(), wts.data_ptr(), ids.shape[1], out.data_ptr(),
+                  bool(on_input), _threads(threads))
+    return out
+
+
+def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: np.ndarray,
+                w2: np.ndarray, inter: int, *, on_input: bool = False, threads: int | None = None) -> torch.Tensor:
+    """:func:`moe_run` on the :func:`expert_table`\ s ``w13`` / ``w2`` (checked on every call; the
+    plugin keeps a :func:`moe_layer` per layer instead)."""
+    _need()
     _check_moe_x(x, "x")
-    ids = _c(topk_ids.to(torch.int32))
-    wts = _c(topk_weights.to(torch.float32))
-    out = _cpu_gemm.moe_forward_bf16(_u16(_c(x)), ids.numpy(), wts.numpy(), w13, w2, int(inter), bool(on_input),
-                                     _threads(threads))
-    return torch.from_numpy(out).view(torch.bfloat16)
+    return moe_run(moe_layer(w13, w2, inter, x.shape[1]), x, topk_ids, topk_weights, on_input=on_input,
+                   threads=threads)
 
 
 def fused_linear(x: torch.Tensor, ct: CompressedTensor, bias: torch.Tensor | None = None, *,

@@ -510,7 +510,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                                                        expert_id=expert_id, return_success=True, **kw)
             if ok is not False:
                 loading.reencode(st, one[0])
-                layer.__dict__.pop("_zs_moe_tables", None)  # its addresses keep the old pages alive
+                layer.__dict__.pop("_zs_moe_native", None)  # its addresses keep the old pages alive
             return ok if return_success else None
 
         return zipserv_expert_update_loader
@@ -533,7 +533,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
     def _compute_fast(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Fast mode: each routed expert's two GEMMs straight from its compressed bytes, over the
         tokens routed to it; only the routed experts are read. On CPUs with AVX512-BF16 one native
-        call runs the whole layer (``cpu_kernels.moe_forward``: the rows grouped by expert, every
+        call runs the whole layer (``cpu_kernels.moe_run``: the rows grouped by expert, every
         (expert, tile-row run) item of w13 in one parallel loop, SiLU x up, w2 likewise, the weighted
         sum per token); elsewhere one ``zipserv_vllm.linear`` per expert and GEMM. Same numbers as
         vLLM's kernel up to summation order and its approximate exp in SiLU (the fast-mode logprob
@@ -541,10 +541,10 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         ~5 µs a call with the caches cold.)"""
         states = moe_states(layer)
         n_exp, inter = len(states) // 2, self._shapes[0][1] // 2
-        tables = self._native_tables(layer, states, n_exp, inter, x.shape[1])
-        if tables is not None and x.dim() == 2:  # one native call for the whole layer (CPU with AVX512-BF16)
-            return ops._cpu_kernels().moe_forward(x, topk_ids, topk_weights, tables[0], tables[1], inter,
-                                                  on_input=bool(layer.apply_router_weight_on_input))
+        native = self._native_layer(layer, states, n_exp, inter, x.shape[1])
+        if native is not None and x.dim() == 2:  # one native call for the whole layer (CPU with AVX512-BF16)
+            return ops._cpu_kernels().moe_run(native, x, topk_ids, topk_weights,
+                                              on_input=bool(layer.apply_router_weight_on_input))
         from .methods import compressed_linear
 
         k = topk_ids.shape[-1]
@@ -572,27 +572,32 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
 
-    def _native_tables(self, layer, states, n_exp: int, inter: int, hidden: int):
-        """(w13, w2) address tables for ``cpu_kernels.moe_experts``, or None where the one-call path does
-        not apply (not a CPU with AVX512-BF16, ``set_isa`` forcing the fused kernel, sizes not multiples
-        of 64, experts not held as single byte-split matrices). Cached on the layer per set of expert
-        tensors (a weight update re-encodes an expert: new parts, a new epoch, new tables)."""
-        cpu_kernels = ops._cpu_kernels()
-        if not (cpu_kernels.available() and cpu_kernels.bf16_supported()) or cpu_kernels._isa_override is not None \
-                or hidden % spec.TILE or inter % spec.TILE:
-            return None
+    def _native_layer(self, layer, states, n_exp: int, inter: int, hidden: int):
+        """The layer's ``cpu_kernels.moe_layer`` (its experts' address tables, checked once), or None
+        where the one-call path does not apply (not a CPU with AVX512-BF16, ``set_isa`` forcing the
+        fused kernel, sizes not multiples of 64, experts not held as single byte-split matrices).
+        Cached on the layer per set of expert tensors (a weight update re-encodes an expert: new
+        parts, a new epoch, a new native layer)."""
         # Valid while no layer's parts were assigned since (loading.parts_epoch): an O(1) check per call
         # instead of a Python walk over the 2 E parts on every call.
         epoch = loading.parts_epoch()
-        cached = layer.__dict__.get("_zs_moe_tables")
-        if cached is not None and cached[0] == epoch:
-            return cached[1]
-        parts = [st.parts[0] if len(st.parts) == 1 else None for st in states]
-        t13 = cpu_kernels.expert_table(parts[:n_exp], (2 * inter, hidden))
-        t2 = cpu_kernels.expert_table(parts[n_exp:], (hidden, inter))
-        tables = None if t13 is None or t2 is None else (t13, t2)
-        layer.__dict__["_zs_moe_tables"] = (epoch, tables, parts)  # parts: the tensors the addresses point into
-        return tables
+        cached = layer.__dict__.get("_zs_moe_native")
+        cpu_kernels = ops._cpu_kernels()
+        if cached is not None and cached[0] == epoch and cached[1] == hidden \
+                and cached[2] == cpu_kernels._isa_override:
+            return cached[3]
+        native = None
+        if cpu_kernels.available() and cpu_kernels.bf16_supported() and cpu_kernels._isa_override is None \
+                and hidden % spec.TILE == 0 and inter % spec.TILE == 0:
+            parts = [st.parts[0] if len(st.parts) == 1 else None for st in states]
+            t13 = cpu_kernels.expert_table(parts[:n_exp], (2 * inter, hidden))
+            t2 = cpu_kernels.expert_table(parts[n_exp:], (hidden, inter))
+            if t13 is not None and t2 is not None:
+                native = cpu_kernels.moe_layer(t13, t2, inter, hidden)
+        # parts (the tensors the addresses point into) stay referenced while the native layer is cached
+        layer.__dict__["_zs_moe_native"] = (epoch, hidden, cpu_kernels._isa_override, native,
+                                            [p for st in states for p in st.parts])
+        return native
 
     def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         from .methods import _full_weight
