@@ -10,8 +10,10 @@ dynamo tracing ``zipserv::moe_experts`` fullgraph) in test_compile.py.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -167,7 +169,9 @@ def test_fast_mode_with_no_tokens(vllm_env, monkeypatch, native):
     topk = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
     out = method._compute_fast(layer, x, topk, ids)
     assert out.shape == (3, 64) and out.dtype == torch.bfloat16
-    assert (layer.__dict__.get("_zs_moe_native", (None,) * 4)[3] is not None) == native
+    held = layer.__dict__.get("_zs_moe_native")
+    assert held is not None and (held.obj is not None) == native
+    assert copy.deepcopy(held).obj is None and pickle.loads(pickle.dumps(held)).obj is None  # copies rebuild
 
     def reference(ids):  # the original BF16 experts, fp32 sums, the kernel's two BF16 roundings
         ref = torch.zeros(3, 64)

@@ -424,11 +424,11 @@ def packed_embedding(ids: torch.Tensor, pt: PackedTensor, rows: int | None = Non
 
 # ------------------------------------------------------- MoE experts, one call
 def expert_table(parts: list, shape: tuple[int, int]) -> np.ndarray | None:
-    """The address table ``moe_experts`` / ``moe_forward`` take for experts ``parts`` (all
-    PackedTensors of ``shape`` on the CPU, contiguous, with the layout's dtypes and array shapes),
-    or None where one is not: per expert the four arrays' addresses, the exception count and
-    ``shape`` (checked by every call against the sizes it is given). The caller keeps ``parts``
-    alive while it uses the table."""
+    """The address table ``moe_experts`` / ``moe_layer`` / ``moe_forward`` take for experts ``parts``
+    (all PackedTensors of ``shape`` on the CPU, contiguous, with the layout's dtypes and array
+    shapes), or None where one is not: per expert the four arrays' addresses, the exception count
+    and ``shape`` (checked against the sizes by every ``moe_experts`` call, once by ``moe_layer``).
+    The caller keeps ``parts`` alive while it uses the table or a ``moe_layer`` made from it."""
     from ..format.cpu_layout import LUT_ENTRIES, TILE_BYTES, grid
 
     mt, kt = grid(*shape)

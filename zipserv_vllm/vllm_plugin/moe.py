@@ -541,9 +541,9 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         ~5 µs a call with the caches cold.)"""
         states = moe_states(layer)
         n_exp, inter = len(states) // 2, self._shapes[0][1] // 2
-        native = self._native_layer(layer, states, n_exp, inter, x.shape[1])
-        if native is not None and x.dim() == 2:  # one native call for the whole layer (CPU with AVX512-BF16)
-            return ops._cpu_kernels().moe_run(native, x, topk_ids, topk_weights,
+        held = self._native_layer(layer, states, n_exp, inter, x.shape[1])  # (kept: it holds the parts)
+        if held.obj is not None and x.dim() == 2:  # one native call for the whole layer (CPU with AVX512-BF16)
+            return ops._cpu_kernels().moe_run(held.obj, x, topk_ids, topk_weights,
                                               on_input=bool(layer.apply_router_weight_on_input))
         from .methods import compressed_linear
 
@@ -573,20 +573,22 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         return out.to(x.dtype)
 
     def _native_layer(self, layer, states, n_exp: int, inter: int, hidden: int):
-        """The layer's ``cpu_kernels.moe_layer`` (its experts' address tables, checked once), or None
-        where the one-call path does not apply (not a CPU with AVX512-BF16, ``set_isa`` forcing the
-        fused kernel, sizes not multiples of 64, experts not held as single byte-split matrices).
-        Cached on the layer per set of expert tensors (a weight update re-encodes an expert: new
-        parts, a new epoch, a new native layer)."""
+        """A holder of the layer's ``cpu_kernels.moe_layer`` (its experts' address tables, checked
+        once) in ``.obj``, None there where the one-call path does not apply (not a CPU with
+        AVX512-BF16, ``set_isa`` forcing the fused kernel, sizes not multiples of 64, experts not held
+        as single byte-split matrices). Cached on the layer per set of expert tensors (a weight update
+        re-encodes an expert: new parts, a new epoch, a new native layer); the holder references the
+        parts the addresses point into (the caller keeps it while the kernel runs), and copies and
+        pickles of the layer get an empty one (``cpu_kernels._Held``), so they build their own."""
         # Valid while no layer's parts were assigned since (loading.parts_epoch): an O(1) check per call
         # instead of a Python walk over the 2 E parts on every call.
         epoch = loading.parts_epoch()
-        cached = layer.__dict__.get("_zs_moe_native")
         cpu_kernels = ops._cpu_kernels()
-        if cached is not None and cached[0] == epoch and cached[1] == hidden \
-                and cached[2] == cpu_kernels._isa_override:
-            return cached[3]
-        native = None
+        held = layer.__dict__.get("_zs_moe_native")
+        if held is not None and held.key is not None and held.key[0] == epoch and held.key[1] == hidden \
+                and held.key[2] == cpu_kernels._isa_override:
+            return held
+        native, parts = None, None
         if cpu_kernels.available() and cpu_kernels.bf16_supported() and cpu_kernels._isa_override is None \
                 and hidden % spec.TILE == 0 and inter % spec.TILE == 0:
             parts = [st.parts[0] if len(st.parts) == 1 else None for st in states]
@@ -594,10 +596,10 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             t2 = cpu_kernels.expert_table(parts[n_exp:], (hidden, inter))
             if t13 is not None and t2 is not None:
                 native = cpu_kernels.moe_layer(t13, t2, inter, hidden)
-        # parts (the tensors the addresses point into) stay referenced while the native layer is cached
-        layer.__dict__["_zs_moe_native"] = (epoch, hidden, cpu_kernels._isa_override, native,
-                                            [p for st in states for p in st.parts])
-        return native
+        held = cpu_kernels._Held((epoch, hidden, cpu_kernels._isa_override, parts if native is not None else None),
+                                 native)
+        layer.__dict__["_zs_moe_native"] = held
+        return held
 
     def _compute_exact(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         from .methods import _full_weight
