@@ -492,9 +492,9 @@ def moe_run(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     and ``out[t] = sum_j w[t, j] * y[t, j]`` in fp32 (``on_input``: the weight scales ``x[t]``
     instead), returned as bf16 [T, H]. Only the buffers' addresses cross into the extension, after
     the checks here (the per-call cost of a decode step's MoE layer)."""
-    if x.dtype != _BF16_DTYPE or x.dim() != 2 or not x.is_cpu or x.shape[1] != layer.hidden:
-        raise ValueError(f"x must be a 2-D bfloat16 CPU tensor of {layer.hidden} columns, got {x.dtype} "
-                         f"{list(x.shape)} on {x.device}")
+    _check_moe_x(x, "x")
+    if x.shape[1] != layer.hidden:
+        raise ValueError(f"x must have {layer.hidden} columns (the layer's hidden size), got {x.shape[1]}")
     t = x.shape[0]
     ids = topk_ids if topk_ids.dtype in _ID_DTYPES else topk_ids.to(torch.int64)
     wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
