@@ -125,6 +125,49 @@ def test_gemm_within_bound(n):
             assert torch.equal(_bits(cpu_kernels.packed_linear(x, pt, b, kernel="panel", threads=threads)), _bits(y))
 
 
+# Four lane values whose documented sum, (l0 + l1) + (l2 + l3) in fp32, rounds to a different BF16
+# than any other order of the same four additions (found by search; all BF16 numbers).
+_LANES = (9109504.0, 15466496.0, -1.0, -0.0986328125)
+
+
+def _f32_sum(l0, l1, l2, l3):
+    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    return (f(l0) + f(l1)) + (f(l2) + f(l3))
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", (1, 7, 19, 25))  # streaming, buffered (blocks of 6 and of 1)
+def test_lane_sum_order_bias_and_rounding(n):
+    """Step 3 exactly as docs/CPU.md states it: each output row is (l0 + l1) + (l2 + l3) of its four
+    accumulator lanes in fp32, + bias, RNE to BF16, any NaN -> 0x7FC0, rows past M not written.
+    Lane c of a row sums columns 2c, 2c + 1 of every 8-column group; with x zero outside columns
+    0, 2, 4, 6 of the first group each lane holds one exact product, so the expected bits are known."""
+    l0, l1, l2, l3 = _LANES
+    other = [_f32_sum(l0, l2, l1, l3), _f32_sum(l0, l3, l1, l2), ((torch.tensor(l0) + l1) + l2) + l3]
+    assert all(float(o.bfloat16()) != float(_f32_sum(*_LANES).bfloat16()) for o in other)  # the test can fail
+    m = 37  # three 16-row panels, the last partial: masked stores
+    w = torch.zeros(m, 64, dtype=torch.bfloat16)
+    for r in range(m):
+        sign = -1.0 if r % 3 == 1 else 1.0
+        for c, v in enumerate(_LANES):
+            w[r, 2 * c] = sign * v * 2.0 ** (r % 5)
+    w[33, 2] = float("nan")
+    x = torch.zeros(n, 64, dtype=torch.bfloat16)
+    for t in range(n):
+        x[t, 0:8:2] = 2.0 ** -(t % 9)
+    bias = torch.linspace(-3e6, 3e6, m).bfloat16()
+    pt = cpu_kernels.pack(w)
+    for b in (None, bias):
+        y = cpu_kernels.packed_linear(x, pt, b, kernel="panel")
+        lanes = w[:, 0:8:2].float()[None] * x[:, 0:8:2].float()[:, None]  # [n, m, 4], exact products
+        exp = (lanes[..., 0] + lanes[..., 1]) + (lanes[..., 2] + lanes[..., 3])
+        if b is not None:
+            exp = exp + b.float()
+        want = torch.where(exp.isnan(), torch.tensor(0x7FC0, dtype=torch.int16), _bits(exp.bfloat16()))
+        assert torch.equal(_bits(y), want), n
+        assert bool(exp[:, 33].isnan().all())
+
+
 @needs_bf16
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_shapes_within_bound(shape):

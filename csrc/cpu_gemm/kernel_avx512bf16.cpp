@@ -232,17 +232,41 @@ int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
 
 // Step 3 for the n tokens of the panel whose first row is row0: part holds
 // [n][4 vectors][16 lanes]; lane l of vector j is row (j >> 1) * 8 + 2 (l >> 2)
-// + (j & 1), column pair l & 3.
+// + (j & 1), column pair l & 3. Per row (l0 + l1) + (l2 + l3) of its four
+// lanes, + bias, RNE to bf16 (any NaN -> 0x7FC0): finish_output's arithmetic
+// in the same order (fp32 addition is commutative, so a + b and b + a agree),
+// 16 rows per vector.
 void finish_panel(const Bf16GemmJob& job, const float* part, int64_t n, int64_t row0) {
   const int64_t m = job.w.m;
-  for (int64_t t = 0; t < n; ++t)
-    for (int j = 0; j < 4; ++j) {
-      const float* a = part + (t * 4 + j) * 16;
-      for (int l = 0; l < 4; ++l) {
-        const int64_t row = row0 + (j >> 1) * 8 + 2 * l + (j & 1);
-        if (row < m) job.y[t * m + row] = finish_output(a + 4 * l, job.bias, row);
-      }
+  const int64_t live = std::min<int64_t>(kPanelRows, m - row0);
+  if (live <= 0) return;
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1u);
+  // after the sums, 128-bit lane q holds rows 2q, 2q + 1, 8 + 2q, 9 + 2q: output row o's position
+  const __m512i order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  __m512 bias = _mm512_setzero_ps();
+  if (job.bias)
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, job.bias + row0)), 16));
+  const __m512i round_bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* a = part + t * 64;
+    __m512 r[2];
+    for (int h = 0; h < 2; ++h) {  // vectors 2h (rows of even index) and 2h + 1 (odd)
+      const __m512 v0 = _mm512_load_ps(a + 32 * h), v1 = _mm512_load_ps(a + 32 * h + 16);
+      const __m512 lo = _mm512_unpacklo_ps(v0, v1);  // [v0.l0, v1.l0, v0.l1, v1.l1] per 128-bit lane
+      const __m512 hi = _mm512_unpackhi_ps(v0, v1);  // [v0.l2, v1.l2, v0.l3, v1.l3]
+      const __m512 p = _mm512_add_ps(lo, _mm512_permute_ps(lo, 0x4E));  // [l0 + l1 of v0, of v1, (same)]
+      const __m512 q = _mm512_add_ps(hi, _mm512_permute_ps(hi, 0x4E));  // [l2 + l3 of v0, of v1, (same)]
+      r[h] = _mm512_add_ps(p, q);
     }
+    // [r0 row 2q, r0 row 2q + 1, r1 row 8 + 2q, r1 row 9 + 2q] per 128-bit lane, then rows in order
+    __m512 y = _mm512_permutexvar_ps(order, _mm512_shuffle_ps(r[0], r[1], 0x44));
+    if (job.bias) y = _mm512_add_ps(y, bias);
+    const __m512i u = _mm512_castps_si512(y);
+    __m512i b = _mm512_add_epi32(u, _mm512_add_epi32(round_bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    b = _mm512_mask_mov_epi32(_mm512_srli_epi32(b, 16), _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(job.y + t * m + row0, keep, _mm512_cvtepi32_epi16(b));
+  }
 }
 
 // ---- streaming path (up to kStreamMaxN tokens): no chunk buffer -----------
