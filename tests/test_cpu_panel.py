@@ -95,7 +95,7 @@ def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 4, 7, 13, 18, 19, 25))  # streaming (<= 18 tokens: 4+3, 5+4+4, 6+6+6), buffered
+@pytest.mark.parametrize("n", (1, 4, 7, 8, 13, 18, 19, 25))  # streaming (<= 18 tokens; 7, 8: half panels; 5+4+4, 6+6+6), buffered
 def test_gemm_reads_every_weight_exactly(n):
     """Both multiply paths' decodes, bit for bit: every finite normal BF16 pattern (exceptions, patched
     medium tiles) and Gaussian tiles (decoded in registers by the streaming path)."""
