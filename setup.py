@@ -1,8 +1,10 @@
-"""Build of zipserv-vllm's native extensions (pybind11; no torch C++ ABI).
+"""Build of zipserv-vllm's native extensions (pybind11; only ``_cpu_op`` uses torch's C++ ABI).
 
 * ``zipserv_vllm._C``: format constants and the multi-threaded CPU codec
   (csrc/*.cpp, on torch's OpenMP threads). Builds with g++ alone.
 * ``zipserv_vllm._cpu_gemm``: fused decode-GEMM CPU kernels (csrc/cpu_gemm/).
+* ``zipserv_vllm._cpu_op``: the C++ CPU kernel of the ``zipserv::packed_gemm``
+  op (csrc/cpu_op/), built against the installed torch when it is importable.
 * ``zipserv_vllm._cuda``: CUDA kernels (csrc/cuda/), compiled only when nvcc
   is found and ZIPSERV_NO_CUDA is not set.
 * ``zipserv_vllm._simt``: the same CUDA kernel sources compiled by g++ and run
@@ -10,7 +12,7 @@
   for the tests. Needs no CUDA.
 
 Arrays and pointers come from Python, so one build serves several torch
-versions. ``ZIPSERV_BUILD_ONLY=_C,_cpu_gemm`` restricts which extensions are
+versions (``_cpu_op`` excepted: it loads only under the torch it was built with). ``ZIPSERV_BUILD_ONLY=_C,_cpu_gemm`` restricts which extensions are
 built (useful while developing one of them).
 """
 
@@ -45,6 +47,37 @@ if glob.glob("csrc/cpu_gemm/*.cpp"):
                "extra_link_args": COMMON["extra_link_args"] + ["-fopenmp"]},
         )
     )
+
+# ``zipserv_vllm._cpu_op``: zipserv::packed_gemm's CPU kernel in C++ (csrc/cpu_op/), so compiled graphs
+# call the GEMM without Python. The one extension built against torch's C++ ABI: only when torch is
+# importable at build time (pip's build isolation hides it: the op then stays Python, slower per call),
+# and loaded only by the torch version it was built with (kernels/cpu.py).
+def _torch_op_extension():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("zipserv-vllm: torch is not importable while building; skipping zipserv_vllm._cpu_op "
+              "(build with --no-build-isolation for the C++ op)")
+        return None
+    return Pybind11Extension(
+        "zipserv_vllm._cpu_op", ["csrc/cpu_op/packed_gemm_op.cpp"],
+        depends=["csrc/include/zipserv/cpu_gemm.h", "csrc/include/zipserv/cpu_layout.h"],
+        include_dirs=["csrc/include"] + cpp_extension.include_paths(),
+        library_dirs=cpp_extension.library_paths(),
+        runtime_library_dirs=cpp_extension.library_paths(),
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        define_macros=[("TORCH_EXTENSION_NAME", "_cpu_op"), ("TORCH_API_INCLUDE_EXTENSION_H", None),
+                       ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
+                       ("ZIPSERV_TORCH_VERSION", '"' + torch.__version__ + '"')],
+        cxx_std=20, extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    )
+
+
+if glob.glob("csrc/cpu_op/*.cpp"):
+    _op_ext = _torch_op_extension()
+    if _op_ext is not None:
+        extensions.append(_op_ext)
 
 
 def _load(name, path):

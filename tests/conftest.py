@@ -21,6 +21,22 @@ LONG_FIRST = ["vllm/test_moe.py", "simt/test_sanitized.py", "vllm/test_compile.p
               "vllm/test_bad_checkpoints.py", "simt/test_faults.py", "test_cuda_build.py"]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cpu_op_choices():
+    """The C++ CPU kernel of zipserv::packed_gemm remembers the dispatcher's choice per shape; tests
+    that monkeypatch ``cpu_dispatch.choose`` would leave it stale for the next test."""
+    import sys
+
+    def sync():
+        cpu = sys.modules.get("zipserv_vllm.kernels.cpu")
+        if cpu is not None:
+            cpu._op_sync()
+
+    sync()
+    yield
+    sync()
+
+
 def _rank(item) -> int:
     rel = Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()
     return LONG_FIRST.index(rel) if rel in LONG_FIRST else len(LONG_FIRST)

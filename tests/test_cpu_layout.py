@@ -279,6 +279,7 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     strided_bias = torch.stack([bias, bias], 1)[:, 0]  # not contiguous: the entry takes a copy
     for kernel in kernels:
         monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
+        cpu_kernels._op_sync()  # (the C++ op remembers choices)
         for n in (1, 5, 19):
             for b in (None, bias, strided_bias):
                 want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=kernel)
@@ -286,8 +287,10 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
                 assert torch.equal(_bits(ops.packed_gemm(xs[:n], pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200,
                                                          b, "fast")), _bits(want))
     monkeypatch.undo()
+    cpu_kernels._op_sync()
     # one kernel from here on (another test may have installed measured choices for this shape)
     monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k: kernels[-1])
+    cpu_kernels._op_sync()  # (the C++ op remembers choices)
     args = (pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)
     nat = cpu_kernels._native(*args)
     assert cpu_kernels._native(*args) is nat and (nat.m, nat.k) == (130, 200)
@@ -303,7 +306,9 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     assert cpu_kernels._native(*(pt.tiles, pt.luts, pt.exc_start, pt.exc, 130, 200)) is not nat and made
     assert torch.equal(_bits(cpu_kernels.eager_packed_linear(xs[:3], pt, None)), _bits(want))
     monkeypatch.undo()
+    cpu_kernels._op_sync()
     monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k: kernels[-1])
+    cpu_kernels._op_sync()  # (the C++ op remembers choices)
     del traced, args
     torch._dynamo.reset()  # (the compiled graph held the weight's tensors)
     # the object (held by tiles) holds the arrays' memory; all of it goes with the weight
@@ -351,6 +356,7 @@ def test_native_entry_bits_caching_and_refusals(monkeypatch):
     bad = _corrupt(cpu_kernels.pack(w), "d_out_of_tile")
     for kernel in kernels:
         monkeypatch.setattr(cpu_kernels.cpu_dispatch, "choose", lambda n, m, k, kernel=kernel: kernel)
+        cpu_kernels._op_sync()  # (the C++ op remembers choices)
         with pytest.raises(ValueError, match=r"tile \(0, 0\) of the byte-split layout"):
             cpu_kernels.eager_packed_linear(torch.ones(2, 128, dtype=torch.bfloat16), bad, None)
     with pytest.raises(ValueError, match="luts has shape"):  # checked once, when the object is made

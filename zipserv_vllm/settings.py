@@ -95,12 +95,18 @@ def cpu_fused_max_n(default: int) -> int:
     return integer("ZIPSERV_CPU_FUSED_MAX_N", default, minimum=0)
 
 
+def cpu_op() -> bool:
+    """ZIPSERV_CPU_OP=0: zipserv::packed_gemm stays the Python implementation (no C++ CPU kernel)."""
+    return flag("ZIPSERV_CPU_OP", True)
+
+
 def check_all() -> None:
     """Every variable the plugin reads, once (raises SettingError on the first bad one)."""
     threads()
     arena_page_mb(1.0)
     cpu_layout()
     cpu_fused_max_n(0)
+    cpu_op()
     choice("ZIPSERV_MODE", MODES)
     choice("ZIPSERV_VERIFY", VERIFY_MODES)
     choice("ZIPSERV_PREFER", PREFER)

@@ -313,6 +313,28 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
+// The capsule entry (PackedCall, cpu_gemm.h): what PackedLinear::run does, on sizes the caller
+// checked, without Python (the torch op extension calls it with the GIL released).
+int64_t packed_call(const PackedCall& c) {
+  try {
+    if (c.panel && !avx512bf16_supported()) return kPackedCallFailed;
+    const int64_t mt = tile_count(c.m), kt = tile_count(c.k);
+    const Packed w{c.tiles, c.luts, c.exc_start, c.exc, c.exc_len, c.m, c.k, mt, kt};
+    std::atomic<int64_t> bad{-1};
+    if (c.panel) {
+      panel_rows(w, c.x, c.n, c.bias, c.y, c.threads, bad);
+      if (avx512bf16_alloc_failed()) return kPackedCallFailed;
+    } else {
+      static const Kernel best = pick("auto");
+      fused_rows(w, best.packed_gemm_rows, c.x, c.n, c.bias, c.y, c.threads, bad);
+    }
+    const int64_t g = bad.load();
+    return g < 0 ? kPackedCallDone : g;
+  } catch (...) {  // (std::bad_alloc from a buffer)
+    return kPackedCallFailed;
+  }
+}
+
 // One byte-split weight, checked once, for the fast path's per-call entry (kernels/cpu.py
 // native_linear): a decode step calls every layer once, and the per-call array checks and NumPy
 // conversions of packed_gemm / packed_gemm_bf16 cost more than the kernel at a few tokens when
@@ -626,6 +648,8 @@ py::dict layout_constants() {
 PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.doc() = "zipserv-vllm fused decode-GEMM CPU kernels (TCA-TBE v1)";
   install_fork_guard();
+  // (a function pointer as the capsule's pointer: the torch op extension calls it directly)
+  mod.attr("packed_call") = py::capsule(reinterpret_cast<void*>(&packed_call), kPackedCallCapsule);
   mod.def("isas", &supported_isas, "ISAs this CPU can run, best first (always ends with 'scalar')");
   mod.def("gemm", &gemm, py::arg("x"), py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"),
           py::arg("fb"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"), py::arg("threads"),

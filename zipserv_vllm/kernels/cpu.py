@@ -88,6 +88,73 @@ def isas() -> list[str]:
     return list(_cpu_gemm.isas())
 
 
+# ------------------------------------------------------------------ the C++ op kernel
+# zipserv::packed_gemm's CPU kernel in C++ (zipserv_vllm._cpu_op, csrc/cpu_op/packed_gemm_op.cpp):
+# a compiled graph then calls the GEMM as it calls vLLM's own BF16 kernel, with no Python per call.
+# It serves the calls the Python implementation (kernels/ops.py packed_gemm) has served once for the
+# shape, with the same kernel choice and threshold (remembered below), and hands everything else to
+# that implementation. Installed at the first such call (op_served); ZIPSERV_CPU_OP=0 keeps Python.
+_op = None  # the installed extension module
+_op_reason = "not installed yet (at the first fast-mode packed_gemm call)"
+_op_tried = False
+
+
+def _op_sync() -> None:
+    """Forget the remembered choices (they changed) and enable the C++ path only without overrides."""
+    if _op is not None:
+        _op.forget()
+        _op.enable(_isa_override is None and _threads_override is None)
+
+
+cpu_dispatch.on_change(_op_sync)
+
+
+def install_op(fallback) -> str | None:
+    """Install the C++ kernel of zipserv::packed_gemm with ``fallback`` (the op's Python
+    implementation) for the calls it does not serve; None when installed, else why not."""
+    global _op, _op_reason, _op_tried
+    _op_tried = True
+    if _op is not None:
+        return None
+    from ..settings import cpu_op
+
+    if _cpu_gemm is None:
+        _op_reason = _REASON
+    elif not cpu_op():
+        _op_reason = "ZIPSERV_CPU_OP=0"
+    else:
+        try:
+            from .. import _cpu_op  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _op_reason = f"zipserv_vllm._cpu_op is not built or does not load ({exc})"
+        else:
+            if _cpu_op.torch_version != torch.__version__:  # (built against another torch's C++ ABI)
+                _op_reason = (f"zipserv_vllm._cpu_op was built for torch {_cpu_op.torch_version}, this is "
+                              f"{torch.__version__}: rebuild it")
+            else:
+                _cpu_op.install(fallback, _cpu_gemm.packed_call, "ZIPSERV_CPU_FUSED_MAX_N")
+                _op = _cpu_op
+                _op_sync()
+                return None
+    return _op_reason
+
+
+def op_status() -> str:
+    """Whether zipserv::packed_gemm's C++ CPU kernel serves calls, and why not."""
+    return "C++ CPU kernel installed" if _op is not None else f"Python only: {_op_reason}"
+
+
+def op_served(m: int, k: int, fallback) -> None:
+    """The op's Python implementation served a fast-mode call on an m x k byte-split weight with a
+    fused kernel: hand the C++ kernel this shape's choices (installing it the first time)."""
+    if _op is None:
+        if _op_tried or install_op(fallback) is not None:
+            return
+    raw = _fused_max_n_raw()
+    _op.remember(m, k, [cpu_dispatch.choose(b, m, k) == "panel" for b in cpu_dispatch.BUCKETS], fused_max_n(True),
+                 None if raw is None else os.fsdecode(raw))
+
+
 def set_isa(isa: str | None) -> None:
     """Force an ISA (``"avx512"``, ``"avx2"``, ``"scalar"``) for later calls; None = best."""
     if isa is not None:
@@ -96,6 +163,7 @@ def set_isa(isa: str | None) -> None:
             raise ValueError(f"isa {isa!r} is not supported on this CPU (supported: {', '.join(_cpu_gemm.isas())})")
     global _isa_override
     _isa_override = isa
+    _op_sync()
 
 
 def set_threads(threads: int | None) -> None:
@@ -104,6 +172,7 @@ def set_threads(threads: int | None) -> None:
         raise ValueError(f"threads must be >= 1, got {threads}")
     global _threads_override
     _threads_override = None if threads is None else int(threads)
+    _op_sync()
 
 
 _max_n_cache: dict[bool, tuple[object, int]] = {}

@@ -48,6 +48,17 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2", 
               "avx512_bf16", "amx_bf16", "amx_tile")
 
 _MEASURED: dict[tuple[int, int], list[tuple[int, str]]] = {}  # (m, k) -> [(bucket, kernel)] ascending
+_ON_CHANGE: list[Callable[[], None]] = []  # called when the measured choices change (kernels/cpu.py's C++ op)
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever :func:`set_measured` or :func:`clear_measured` changes the choices."""
+    _ON_CHANGE.append(fn)
+
+
+def _changed() -> None:
+    for fn in _ON_CHANGE:
+        fn()
 
 
 _BF16: bool | None = None
@@ -80,6 +91,7 @@ def default_kernel(n: int) -> str:
 
 def clear_measured() -> None:
     _MEASURED.clear()
+    _changed()
 
 
 def set_measured(times: dict[tuple[int, int], dict[int, dict[str, float]]]) -> None:
@@ -96,6 +108,7 @@ def set_measured(times: dict[tuple[int, int], dict[int, dict[str, float]]]) -> N
             _MEASURED[(m, k)] = rows
         else:
             _MEASURED.pop((m, k), None)
+    _changed()
 
 
 def measured() -> dict[tuple[int, int], list[tuple[int, str]]]:

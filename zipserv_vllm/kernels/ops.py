@@ -49,6 +49,7 @@ def _cpu_kernels():
 
 
 _LIB = torch.library.Library("zipserv", "FRAGMENT")  # (held: the registrations below live as long as it)
+_PYTHON_IMPLS: dict = {}  # lean_op's name -> its Python implementation
 
 
 def lean_op(schema: str, fake):
@@ -63,11 +64,14 @@ def lean_op(schema: str, fake):
     def define(fn):
         name = schema.split("(", 1)[0]
         if hasattr(torch.ops.zipserv, name):  # defined by an earlier execution of this module (a reload)
-            return getattr(torch.ops.zipserv, name)
-        _LIB.define(schema)
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"zipserv::{name}", fake, lib=_LIB)
-        return getattr(torch.ops.zipserv, name)
+            op = getattr(torch.ops.zipserv, name)
+        else:
+            _LIB.define(schema)
+            _LIB.impl(name, fn, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"zipserv::{name}", fake, lib=_LIB)
+            op = getattr(torch.ops.zipserv, name)
+        _PYTHON_IMPLS[name] = fn
+        return op
 
     return define
 
@@ -138,12 +142,16 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
         if x.shape[-1] == k:  # (else the F.linear below names the mismatch)
             y = cpu_kernels.native_linear(x, tiles, luts, exc_start, exc, m, k, bias)
             if y is not None:
+                cpu_kernels.op_served(m, k, _packed_gemm_python)
                 return y
         if cpu_kernels.use_fused(x, bias, m, packed=True):
             return cpu_kernels.packed_gemm(x, tiles, luts, exc_start, exc, m, k, bias,
                                            kernel=cpu_kernels.fast_kernel(x, m, k))
     w = packed_decompress(tiles, luts, exc_start, exc, m, k)
     return F.linear(x, w.to(x.device), bias)
+
+
+_packed_gemm_python = _PYTHON_IMPLS["packed_gemm"]  # (the function; the C++ CPU kernel hands it the calls it does not serve)
 
 
 def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,

@@ -49,6 +49,31 @@ struct Packed {
   int64_t m, k, mt, kt;
 };
 
+// One fast-mode GEMM y[n, m] = x[n, k] . W^T + bias on a byte-split weight, by
+// address: the entry the torch op extension (zipserv_vllm._cpu_op,
+// csrc/cpu_gemm/torch_op.cpp) reaches through the capsule _cpu_gemm.packed_call.
+// The caller has checked every size and dtype (the Python path's checks); the
+// entry never throws and never touches Python.
+struct PackedCall {
+  const uint8_t* tiles;
+  const uint8_t* luts;
+  const int64_t* exc_start;
+  const uint32_t* exc;
+  int64_t exc_len, m, k;
+  const uint16_t* x;     // [n][k] bf16 bits, contiguous
+  int64_t n;
+  const uint16_t* bias;  // [m] or nullptr
+  uint16_t* y;           // [n][m]
+  int threads;
+  bool panel;            // the AVX512-BF16 kernel, else the fp32 fused kernel at the best ISA
+};
+// kPackedCallDone when y is complete; anything else (a malformed tile's index, or
+// kPackedCallFailed: out of memory, no AVX512-BF16) means y is not to be used and
+// the caller runs the checked path, which raises the error.
+constexpr int64_t kPackedCallDone = -1, kPackedCallFailed = -2;
+using PackedCallFn = int64_t (*)(const PackedCall&);
+constexpr const char* kPackedCallCapsule = "zipserv_vllm._cpu_gemm.packed_call";
+
 // Lane of column k (the kernels' fp32 copy of x keeps natural column order).
 inline int lane_of(int64_t k) { return static_cast<int>(k & 3); }
 

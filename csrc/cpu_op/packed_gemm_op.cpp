@@ -1,0 +1,224 @@
+// zipserv_vllm._cpu_op: the CPU kernel of the zipserv::packed_gemm op in C++,
+// so that a compiled vLLM graph calls the byte-split GEMM the way it calls
+// vLLM's own BF16 kernel (_C::onednn_mm): dispatcher -> C++, no Python.
+//
+// The op is defined, and implemented for every device, in Python
+// (zipserv_vllm/kernels/ops.py, packed_gemm); that implementation stays the
+// one definition of what the op does. This file registers a CPU kernel that
+// serves the hot case itself and hands every other call to that Python
+// implementation (installed by kernels/cpu.py):
+//   * the hot case: mode "fast", x bf16 with k features and at least one row,
+//     the weight's four arrays contiguous CPU tensors of the layout's dtypes
+//     and shapes, no bias or a bf16 [m] one, a shape the Python side has
+//     served once (remember(): the dispatcher's kernel per token bucket and
+//     the fused_max_n threshold with the raw environment value it was parsed
+//     from), n within that threshold, and no set_isa / set_threads override
+//     (enable()). It then runs the kernel through _cpu_gemm's capsule entry
+//     (PackedCall, csrc/include/zipserv/cpu_gemm.h) on torch's thread count;
+//   * everything else, and a kernel failure (a malformed tile, out of
+//     memory), calls the Python implementation, which computes, refuses or
+//     raises exactly as without this extension.
+// Built against the torch it was compiled with (the other extensions take
+// arrays and need no torch ABI); the kernel is registered by install(), which
+// kernels/cpu.py calls only when torch.__version__ is that one.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "zipserv/cpu_gemm.h"
+
+namespace {
+
+using zipserv::cpu::PackedCall;
+using zipserv::cpu::PackedCallFn;
+
+constexpr int kBuckets = 10;  // cpu_dispatch.BUCKETS: 1, 2, 4, ..., 512
+
+// What the Python side decided for one weight shape.
+struct Choice {
+  std::array<bool, kBuckets> panel;    // per bucket: the panel kernel, else the fused one
+  int64_t max_n;                       // fused_max_n(): above it, the Python path (decode + F.linear)
+  std::optional<std::string> env_raw;  // the threshold variable's raw value it was parsed from
+};
+using Table = std::map<std::pair<int64_t, int64_t>, Choice>;
+
+struct State {
+  PackedCallFn entry = nullptr;
+  py::object fallback;      // kernels/ops.py packed_gemm (the op's Python implementation)
+  std::string env_name;     // ZIPSERV_CPU_FUSED_MAX_N
+  std::shared_ptr<const Table> table = std::make_shared<const Table>();
+  bool enabled = false;
+};
+
+std::mutex g_mu;  // guards g_state's members against concurrent updates from Python
+State* g_state = new State();  // (never freed: the op may run until the process ends)
+
+std::shared_ptr<const Table> table_now(PackedCallFn& entry, bool& enabled) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  entry = g_state->entry;
+  enabled = g_state->enabled;
+  return g_state->table;
+}
+
+int bucket_index(int64_t n) {
+  int i = 0;
+  for (int64_t b = 1; i < kBuckets - 1 && n > b; b <<= 1) ++i;
+  return i;
+}
+
+bool is_layout_array(const at::Tensor& t, at::ScalarType dtype) {
+  return t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous();
+}
+
+bool env_matches(const std::string& name, const std::optional<std::string>& raw) {
+  const char* now = std::getenv(name.c_str());
+  if (now == nullptr) return !raw.has_value();
+  return raw.has_value() && *raw == now;
+}
+
+at::Tensor python_path(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& luts,
+                       const at::Tensor& exc_start, const at::Tensor& exc, int64_t m, int64_t k,
+                       const std::optional<at::Tensor>& bias, c10::string_view mode) {
+  py::gil_scoped_acquire gil;
+  py::object fn;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    fn = g_state->fallback;
+  }
+  TORCH_CHECK(fn, "zipserv_vllm._cpu_op is loaded but not installed (kernels/cpu.py installs it)");
+  py::object b = bias.has_value() ? py::cast(*bias) : py::none();
+  return fn(x, tiles, luts, exc_start, exc, m, k, b, std::string(mode)).cast<at::Tensor>();
+}
+
+// The hot case's y, or nullopt when the call is not the hot case or the kernel failed.
+std::optional<at::Tensor> fast(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& luts,
+                               const at::Tensor& exc_start, const at::Tensor& exc, int64_t m, int64_t k,
+                               const std::optional<at::Tensor>& bias, c10::string_view mode) {
+  PackedCallFn entry = nullptr;
+  bool enabled = false;
+  const std::shared_ptr<const Table> table = table_now(entry, enabled);
+  if (!enabled || entry == nullptr || mode != "fast" || m < 1 || k < 1) return std::nullopt;
+  if (!x.device().is_cpu() || x.scalar_type() != at::kBFloat16 || x.dim() < 1 || x.size(-1) != k) return std::nullopt;
+  const int64_t n = x.numel() / k;
+  if (n < 1) return std::nullopt;
+  const int64_t mt = (m + zipserv::kTile - 1) / zipserv::kTile;
+  const int64_t kt = (k + zipserv::kTile - 1) / zipserv::kTile;
+  if (!is_layout_array(tiles, at::kByte) || tiles.sizes() != at::IntArrayRef({mt, kt, zipserv::cpu::kPkTileBytes}) ||
+      !is_layout_array(luts, at::kByte) || luts.sizes() != at::IntArrayRef({mt, kt, zipserv::cpu::kPkLutEntries}) ||
+      !is_layout_array(exc_start, at::kLong) || exc_start.sizes() != at::IntArrayRef({mt * kt + 1}) ||
+      !(is_layout_array(exc, at::kInt) || is_layout_array(exc, at::kUInt32)) || exc.dim() != 1)
+    return std::nullopt;
+  at::Tensor b;
+  if (bias.has_value()) {
+    if (!bias->device().is_cpu() || bias->scalar_type() != at::kBFloat16 || bias->dim() != 1 || bias->size(0) != m)
+      return std::nullopt;
+    b = bias->contiguous();
+  }
+  const auto hit = table->find({m, k});
+  if (hit == table->end()) return std::nullopt;
+  const Choice& choice = hit->second;
+  std::string env_name;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    env_name = g_state->env_name;
+  }
+  if (n > choice.max_n || !env_matches(env_name, choice.env_raw)) return std::nullopt;
+  const at::Tensor x2 = x.contiguous();
+  at::Tensor y = at::empty({n, m}, x.options());
+  PackedCall call{static_cast<const uint8_t*>(tiles.data_ptr()),
+                  static_cast<const uint8_t*>(luts.data_ptr()),
+                  static_cast<const int64_t*>(exc_start.data_ptr()),
+                  static_cast<const uint32_t*>(exc.data_ptr()),
+                  exc.numel(),
+                  m,
+                  k,
+                  static_cast<const uint16_t*>(x2.data_ptr()),
+                  n,
+                  b.defined() ? static_cast<const uint16_t*>(b.data_ptr()) : nullptr,
+                  static_cast<uint16_t*>(y.data_ptr()),
+                  at::get_num_threads(),
+                  choice.panel[bucket_index(n)]};
+  if (entry(call) != zipserv::cpu::kPackedCallDone) return std::nullopt;
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = m;
+  return y.view(shape);
+}
+
+at::Tensor packed_gemm_cpu(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& luts,
+                           const at::Tensor& exc_start, const at::Tensor& exc, int64_t m, int64_t k,
+                           const std::optional<at::Tensor>& bias, c10::string_view mode) {
+  if (auto y = fast(x, tiles, luts, exc_start, exc, m, k, bias, mode)) return *y;
+  return python_path(x, tiles, luts, exc_start, exc, m, k, bias, mode);
+}
+
+void install(py::object fallback, py::capsule entry, std::string env_name) {
+  if (std::strcmp(entry.name(), zipserv::cpu::kPackedCallCapsule) != 0)
+    throw std::invalid_argument("not the _cpu_gemm.packed_call capsule");
+  std::lock_guard<std::mutex> lock(g_mu);
+  // The kernel is registered here, not when the library loads: kernels/cpu.py first checks that
+  // this build's torch is the running one. (Never freed: the registration lasts the process.)
+  static torch::Library* lib = nullptr;
+  if (lib == nullptr) {
+    lib = new torch::Library(torch::Library::IMPL, "zipserv", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    lib->impl("packed_gemm", TORCH_FN(packed_gemm_cpu));
+  }
+  g_state->fallback = std::move(fallback);
+  g_state->entry = reinterpret_cast<PackedCallFn>(entry.get_pointer());
+  g_state->env_name = std::move(env_name);
+  g_state->table = std::make_shared<const Table>();
+  g_state->enabled = true;
+}
+
+void remember(int64_t m, int64_t k, const std::vector<bool>& panel, int64_t max_n, std::optional<std::string> env_raw) {
+  if (panel.size() != kBuckets) throw std::invalid_argument("one kernel choice per bucket (10) expected");
+  Choice c;
+  for (int i = 0; i < kBuckets; ++i) c.panel[i] = panel[i];
+  c.max_n = max_n;
+  c.env_raw = std::move(env_raw);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto next = std::make_shared<Table>(*g_state->table);
+  (*next)[{m, k}] = std::move(c);
+  g_state->table = std::move(next);
+}
+
+void forget() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_state->table = std::make_shared<const Table>();
+}
+
+void enable(bool on) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_state->enabled = on && g_state->entry != nullptr;
+}
+
+size_t remembered() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_state->table->size();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_op, mod) {
+  mod.doc() = "zipserv::packed_gemm's CPU kernel in C++ (the hot case; the rest goes to the Python implementation)";
+  mod.attr("torch_version") = ZIPSERV_TORCH_VERSION;
+  mod.def("install", &install, py::arg("fallback"), py::arg("entry"), py::arg("env_name"),
+          "Set the Python implementation, the _cpu_gemm.packed_call capsule and the threshold variable's name; "
+          "forgets every shape and enables the hot path");
+  mod.def("remember", &remember, py::arg("m"), py::arg("k"), py::arg("panel"), py::arg("max_n"), py::arg("env_raw"),
+          "The dispatcher's kernel per token bucket for an m x k weight (True: panel) and the token threshold, "
+          "parsed from env_raw (None: the variable was unset)");
+  mod.def("forget", &forget, "Forget every remembered shape (the dispatcher's choices changed)");
+  mod.def("enable", &enable, py::arg("on"), "Whether the hot path may run (False while an override is set)");
+  mod.def("remembered", &remembered, "Number of remembered shapes");
+}
