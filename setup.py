@@ -62,7 +62,9 @@ def _torch_op_extension():
         return None
     return Pybind11Extension(
         "zipserv_vllm._cpu_op", ["csrc/cpu_op/packed_gemm_op.cpp"],
-        depends=["csrc/include/zipserv/cpu_gemm.h", "csrc/include/zipserv/cpu_layout.h"],
+        # (torch's version.py: a torch upgrade rebuilds it, as the other torch would refuse it)
+        depends=["csrc/include/zipserv/cpu_gemm.h", "csrc/include/zipserv/cpu_layout.h",
+                 os.path.join(os.path.dirname(torch.__file__), "version.py")],
         include_dirs=["csrc/include"] + cpp_extension.include_paths(),
         library_dirs=cpp_extension.library_paths(),
         runtime_library_dirs=cpp_extension.library_paths(),
@@ -70,6 +72,7 @@ def _torch_op_extension():
         define_macros=[("TORCH_EXTENSION_NAME", "_cpu_op"), ("TORCH_API_INCLUDE_EXTENSION_H", None),
                        ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
                        ("ZIPSERV_TORCH_VERSION", '"' + torch.__version__ + '"')],
+        # C++20: torch 2.13's headers use it (bit-field initializers warn under C++17)
         cxx_std=20, extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     )
 

@@ -222,3 +222,30 @@ def test_installed_unless_disabled_or_built_for_another_torch():
     other = "import zipserv_vllm._cpu_op as m; m.torch_version = '0.0.1'"
     got = _child(_STATUS.format(patch=other), {})
     assert got.startswith("Python only: zipserv_vllm._cpu_op was built for torch 0.0.1"), got
+
+
+def test_no_hand_over_where_a_bucket_has_two_choices(counted, monkeypatch):
+    """A measurement at an N that is no bucket (set_measured takes any) gives token counts of one
+    bucket different kernels: the shape then stays in Python, which follows it exactly."""
+    pt = cpu_kernels.pack(_mixed_weight(M, K))
+    x = _weight(8, K, seed=3, scale=1.0)
+    kernels = ("fused", "panel") if cpu_kernels.bf16_supported() else ("fused",)
+    cpu_dispatch.set_measured({(M, K): {3: {kernels[0]: 1.0, kernels[-1]: 2.0},
+                                        512: {kernels[0]: 2.0, kernels[-1]: 1.0}}})
+    try:
+        assert cpu_dispatch.bucket_choices(M, K) is None or len(kernels) == 1
+        for n in (3, 4):
+            _same((x[:n], pt, None, "fast"))
+        assert cpu_kernels._op.remembered() == (1 if len(kernels) == 1 else 0)
+    finally:
+        cpu_dispatch.clear_measured()
+
+
+def test_a_threshold_past_int64_is_clamped_not_an_error(counted, monkeypatch):
+    pt = cpu_kernels.pack(_mixed_weight(M, K))
+    x = _weight(3, K, seed=3, scale=1.0)
+    monkeypatch.setenv("ZIPSERV_CPU_FUSED_MAX_N", str(10 ** 19))
+    _same((x, pt, None, "fast"))
+    before = len(counted)
+    _same((x, pt, None, "fast"))
+    assert len(counted) == before and cpu_kernels.op_status() == "C++ CPU kernel installed"

@@ -57,6 +57,7 @@ struct State {
   py::object fallback;      // kernels/ops.py packed_gemm (the op's Python implementation)
   std::string env_name;     // ZIPSERV_CPU_FUSED_MAX_N
   std::shared_ptr<const Table> table = std::make_shared<const Table>();
+  int64_t generation = 0;  // bumped by forget(): a remember() computed before it is dropped
   bool enabled = false;
 };
 
@@ -177,16 +178,19 @@ void install(py::object fallback, py::capsule entry, std::string env_name) {
   g_state->entry = reinterpret_cast<PackedCallFn>(entry.get_pointer());
   g_state->env_name = std::move(env_name);
   g_state->table = std::make_shared<const Table>();
+  ++g_state->generation;
   g_state->enabled = true;
 }
 
-void remember(int64_t m, int64_t k, const std::vector<bool>& panel, int64_t max_n, std::optional<std::string> env_raw) {
+void remember(int64_t m, int64_t k, const std::vector<bool>& panel, int64_t max_n, std::optional<std::string> env_raw,
+              int64_t generation) {
   if (panel.size() != kBuckets) throw std::invalid_argument("one kernel choice per bucket (10) expected");
   Choice c;
   for (int i = 0; i < kBuckets; ++i) c.panel[i] = panel[i];
   c.max_n = max_n;
   c.env_raw = std::move(env_raw);
   std::lock_guard<std::mutex> lock(g_mu);
+  if (generation != g_state->generation) return;  // the choices changed while they were computed
   auto next = std::make_shared<Table>(*g_state->table);
   (*next)[{m, k}] = std::move(c);
   g_state->table = std::move(next);
@@ -195,6 +199,12 @@ void remember(int64_t m, int64_t k, const std::vector<bool>& panel, int64_t max_
 void forget() {
   std::lock_guard<std::mutex> lock(g_mu);
   g_state->table = std::make_shared<const Table>();
+  ++g_state->generation;
+}
+
+int64_t generation() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_state->generation;
 }
 
 void enable(bool on) {
@@ -216,8 +226,10 @@ PYBIND11_MODULE(_cpu_op, mod) {
           "Set the Python implementation, the _cpu_gemm.packed_call capsule and the threshold variable's name; "
           "forgets every shape and enables the hot path");
   mod.def("remember", &remember, py::arg("m"), py::arg("k"), py::arg("panel"), py::arg("max_n"), py::arg("env_raw"),
+          py::arg("generation"),
           "The dispatcher's kernel per token bucket for an m x k weight (True: panel) and the token threshold, "
-          "parsed from env_raw (None: the variable was unset)");
+          "parsed from env_raw (None: the variable was unset); dropped when forget() ran since generation()");
+  mod.def("generation", &generation, "Changes with every forget()");
   mod.def("forget", &forget, "Forget every remembered shape (the dispatcher's choices changed)");
   mod.def("enable", &enable, py::arg("on"), "Whether the hot path may run (False while an override is set)");
   mod.def("remembered", &remembered, "Number of remembered shapes");

@@ -122,6 +122,8 @@ def install_op(fallback) -> str | None:
         _op_reason = _REASON
     elif not cpu_op():
         _op_reason = "ZIPSERV_CPU_OP=0"
+    elif not hasattr(_cpu_gemm, "packed_call"):
+        _op_reason = "zipserv_vllm._cpu_gemm is an older build without the packed_call entry: rebuild it"
     else:
         try:
             from .. import _cpu_op  # type: ignore[attr-defined]
@@ -146,13 +148,25 @@ def op_status() -> str:
 
 def op_served(m: int, k: int, fallback) -> None:
     """The op's Python implementation served a fast-mode call on an m x k byte-split weight with a
-    fused kernel: hand the C++ kernel this shape's choices (installing it the first time)."""
-    if _op is None:
-        if _op_tried or install_op(fallback) is not None:
+    fused kernel: hand the C++ kernel this shape's choices (installing it the first time). Never
+    raises: whatever goes wrong leaves the op in Python, with the reason in op_status()."""
+    global _op, _op_reason
+    try:
+        if _op is None:
+            if _op_tried or install_op(fallback) is not None:
+                return
+        gen = _op.generation()
+        per = cpu_dispatch.bucket_choices(m, k)
+        raw = _fused_max_n_raw()
+        max_n = fused_max_n(True)
+        if per is None or raw != _fused_max_n_raw():  # (not one choice per bucket; the variable moved)
             return
-    raw = _fused_max_n_raw()
-    _op.remember(m, k, [cpu_dispatch.choose(b, m, k) == "panel" for b in cpu_dispatch.BUCKETS], fused_max_n(True),
-                 None if raw is None else os.fsdecode(raw))
+        _op.remember(m, k, [c == "panel" for c in per], min(max_n, (1 << 63) - 1),
+                     None if raw is None else os.fsdecode(raw), gen)
+    except Exception as exc:  # noqa: BLE001  (the call itself was served: keep its result)
+        if _op is not None:
+            _op.enable(False)
+        _op, _op_reason = None, f"disabled after an error: {type(exc).__name__}: {exc}"
 
 
 def set_isa(isa: str | None) -> None:

@@ -127,6 +127,16 @@ def choose(n: int, m: int, k: int) -> str:
     return default_kernel(n)
 
 
+def bucket_choices(m: int, k: int) -> list[str] | None:
+    """:func:`choose` per bucket of :data:`BUCKETS` for an m x k weight, or None where some token
+    count would get another kernel than its bucket's (a measurement at an N that is no bucket): the
+    C++ op kernel (kernels/cpu.py) keeps one choice per bucket."""
+    per = [choose(b, m, k) for b in BUCKETS]
+    if any(choose(n, m, k) != per[BUCKETS.index(bucket(n))] for n in range(1, BUCKETS[-1] + 1)):
+        return None
+    return per
+
+
 def ratios_line(m: int, k: int, by_n: dict[int, dict[str, float]]) -> str:
     """One log line: per bucket, the chosen kernel and its speed against the baseline."""
     parts = []

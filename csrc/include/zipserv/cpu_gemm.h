@@ -51,7 +51,7 @@ struct Packed {
 
 // One fast-mode GEMM y[n, m] = x[n, k] . W^T + bias on a byte-split weight, by
 // address: the entry the torch op extension (zipserv_vllm._cpu_op,
-// csrc/cpu_gemm/torch_op.cpp) reaches through the capsule _cpu_gemm.packed_call.
+// csrc/cpu_op/packed_gemm_op.cpp) reaches through the capsule _cpu_gemm.packed_call.
 // The caller has checked every size and dtype (the Python path's checks); the
 // entry never throws and never touches Python.
 struct PackedCall {
@@ -72,7 +72,9 @@ struct PackedCall {
 // the caller runs the checked path, which raises the error.
 constexpr int64_t kPackedCallDone = -1, kPackedCallFailed = -2;
 using PackedCallFn = int64_t (*)(const PackedCall&);
-constexpr const char* kPackedCallCapsule = "zipserv_vllm._cpu_gemm.packed_call";
+// The capsule's name carries the struct's version: a stale build of either
+// extension is refused by name (change the number with the struct).
+constexpr const char* kPackedCallCapsule = "zipserv_vllm._cpu_gemm.packed_call/1";
 
 // Lane of column k (the kernels' fp32 copy of x keeps natural column order).
 inline int lane_of(int64_t k) { return static_cast<int>(k & 3); }
