@@ -87,7 +87,7 @@ def test_hot_calls_run_in_cpp_with_the_python_paths_bits(counted, monkeypatch):
     pt = cpu_kernels.pack(_mixed_weight(M, K))
     xs = _weight(600, 2 * K, seed=5, scale=1.0)[:, ::2]  # strided
     bias = _weight(1, M, seed=7).view(-1)
-    kernels = ("fused", "panel") if cpu_kernels.bf16_supported() else ("fused",)
+    kernels = tuple(cpu_dispatch.candidates(1, M, K))
     # the measured choice per bucket: alternate the kernels so that both run
     times = {(M, K): {b: {kern: (1.0 if (i + j) % 2 else 2.0) for j, kern in enumerate(kernels)}
                       for i, b in enumerate(cpu_dispatch.BUCKETS)}}
@@ -98,11 +98,14 @@ def test_hot_calls_run_in_cpp_with_the_python_paths_bits(counted, monkeypatch):
         for n in (1, 2, 3, 7, 8, 9, 19, 100, 512, 600):
             for b in (None, bias):
                 got = _op(xs[:n], pt, b)
-                want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=cpu_dispatch.choose(n, M, K))
-                assert torch.equal(_bits(got), _bits(want)), (n, b is None)
+                assert torch.equal(_bits(got), _bits(_python_result(xs[:n], pt, b))), (n, b is None)
+                if n <= cpu_kernels.fused_max_n():  # (the kernel the dispatcher chose, not decode + F.linear)
+                    want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, b, kernel=cpu_dispatch.choose(n, M, K))
+                    assert torch.equal(_bits(got), _bits(want)), (n, b is None)
         x3 = xs[:6].reshape(2, 3, K)
         assert torch.equal(_bits(_op(x3, pt, bias)), _bits(_python_result(x3, pt, bias)))
-        assert len(counted) == 1  # all of them in C++
+        beyond = sum(2 for n in (512, 600) if n > cpu_kernels.fused_max_n())  # (decode + F.linear, in Python)
+        assert len(counted) == 1 + beyond  # all the others in C++
         # new measurements reach it: every bucket the other kernel now
         flipped = {(M, K): {b: {kern: 3.0 - t for kern, t in d.items()} for b, d in times[(M, K)].items()}}
         cpu_dispatch.set_measured(flipped)
@@ -111,7 +114,8 @@ def test_hot_calls_run_in_cpp_with_the_python_paths_bits(counted, monkeypatch):
         for n in (1, 8, 100):
             want = cpu_kernels.packed_linear(xs[:n].contiguous(), pt, None, kernel=cpu_dispatch.choose(n, M, K))
             assert torch.equal(_bits(_op(xs[:n], pt)), _bits(want))
-        assert len(counted) == 2
+            assert torch.equal(_bits(_op(xs[:n], pt)), _bits(_python_result(xs[:n], pt)))
+        assert len(counted) == 2 + beyond
     finally:
         cpu_dispatch.clear_measured()
 
@@ -229,7 +233,7 @@ def test_no_hand_over_where_a_bucket_has_two_choices(counted, monkeypatch):
     bucket different kernels: the shape then stays in Python, which follows it exactly."""
     pt = cpu_kernels.pack(_mixed_weight(M, K))
     x = _weight(8, K, seed=3, scale=1.0)
-    kernels = ("fused", "panel") if cpu_kernels.bf16_supported() else ("fused",)
+    kernels = tuple(cpu_dispatch.candidates(1, M, K))
     cpu_dispatch.set_measured({(M, K): {3: {kernels[0]: 1.0, kernels[-1]: 2.0},
                                         512: {kernels[0]: 2.0, kernels[-1]: 1.0}}})
     try:

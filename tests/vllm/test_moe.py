@@ -147,6 +147,9 @@ def test_fast_mode_with_no_tokens(vllm_env, monkeypatch, native):
         pytest.skip("the one-call MoE path needs the _cpu_gemm extension and a CPU with AVX512-BF16")
     if not native:
         monkeypatch.setattr(cpu_kernels, "bf16_supported", lambda: False)
+        # (and the dispatcher's cached copy, which would otherwise keep False for the rest of the process)
+        monkeypatch.setattr(cpu_kernels.cpu_dispatch, "_BF16", False)
+        monkeypatch.setattr(cpu_kernels, "_max_n_cache", {})  # (fused_max_n's default depends on it)
 
     arena, states, weights = PagedArena("cpu"), [], {}
     gen = torch.Generator().manual_seed(5)
