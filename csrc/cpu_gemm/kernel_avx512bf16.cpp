@@ -97,18 +97,30 @@ thread_local ThreadBuf<float> acc_buf;       // both paths' accumulators [4 pane
 // vector v = r & 1 (rows 0, 2, 4, 6 / 1, 3, 5, 7), its 128-bit lane r >> 1.
 inline int ft_word(int p) { return ((p >> 3) & 1) * 32 + (p >> 4) * 8 + (p & 7); }
 
-// One FT record (96 bytes) -> its 64 words at dst (two 512-bit stores).
-inline void decode_ft(const uint8_t* r, __m512i lut, uint16_t* dst) {
+// ft_words' constants: the code bytes' nibble shift per 64-bit lane, the nibble mask.
+inline __m512i ft_shifts() { return _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4); }
+inline __m512i ft_nib() { return _mm512_set1_epi8(0x0F); }
+
+// One FT record (96 bytes) -> its 64 words in two registers: the low bytes
+// loaded, the code bytes [c0 | c1] (16 each) spread to lanes [c0 | c0 | c1 | c1],
+// the low / high nibble per lane (positions 0-15, 16-31, 32-47, 48-63) looked
+// up in the tile's table, bytes interleaved into words. shifts and nib are
+// ft_shifts() and ft_nib(), passed in so that callers keep them in registers.
+inline void ft_words(const uint8_t* r, __m512i lut, __m512i shifts, __m512i nib, __m512i& w0, __m512i& w1) {
   const __m512i lo = _mm512_loadu_si512(r);
-  // Code bytes [c0 | c1] (16 each) -> lanes [c0 | c0 | c1 | c1], then low /
-  // high nibble per lane: positions 0-15, 16-31, 32-47, 48-63.
   const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kPkLoBytes)));
-  const __m512i c2 = _mm512_shuffle_i64x2(c, c, 0x50);
-  const __m512i codes =
-      _mm512_and_si512(_mm512_srlv_epi64(c2, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+  const __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(c, c, 0x50), shifts), nib);
   const __m512i hi = _mm512_shuffle_epi8(lut, codes);
-  _mm512_store_si512(dst, _mm512_unpacklo_epi8(lo, hi));
-  _mm512_store_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// One FT record -> its 64 words at dst (two 512-bit stores).
+inline void decode_ft(const uint8_t* r, __m512i lut, uint16_t* dst) {
+  __m512i w0, w1;
+  ft_words(r, lut, ft_shifts(), ft_nib(), w0, w1);
+  _mm512_store_si512(dst, w0);
+  _mm512_store_si512(dst + 32, w1);
 }
 
 // NB tokens x the panel: acc[t][j] over all 8-column groups, S independent
@@ -301,7 +313,7 @@ __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* 
   for (int t = 0; t < NB; ++t)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_load_ps(acc_mem + (t * 4 + j) * 16);
-  const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4), nib = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = ft_shifts(), nib = ft_nib();
   for (int64_t tc = 0; tc < tn; ++tc) {
     const int64_t g = g0 + tc;
     const uint8_t* ft = tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
@@ -322,13 +334,10 @@ __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* 
           wv[2 * rb] = (__m512bh)_mm512_load_si512(pb + fi * kFragElems);
           wv[2 * rb + 1] = (__m512bh)_mm512_load_si512(pb + fi * kFragElems + 32);
         } else {
-          const uint8_t* r = ft + fi * kPkFtBytes;
-          const __m512i lo = _mm512_loadu_si512(r);
-          const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kPkLoBytes)));
-          const __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(c, c, 0x50), shifts), nib);
-          const __m512i hi = _mm512_shuffle_epi8(lut, codes);
-          wv[2 * rb] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-          wv[2 * rb + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+          __m512i w0, w1;
+          ft_words(ft + fi * kPkFtBytes, lut, shifts, nib, w0, w1);
+          wv[2 * rb] = (__m512bh)w0;
+          wv[2 * rb + 1] = (__m512bh)w1;
         }
       }
 #pragma GCC unroll 6
@@ -372,7 +381,7 @@ __attribute__((noinline)) void stream_half(const uint8_t* tiles, const uint8_t* 
   for (int t = 0; t < NB; ++t)
 #pragma GCC unroll 2
     for (int j = 0; j < 2; ++j) acc[t][j] = _mm512_load_ps(acc_mem + (t * 4 + 2 * rb + j) * 16);
-  const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4), nib = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = ft_shifts(), nib = ft_nib();
   for (int64_t tc = 0; tc < tn; ++tc) {
     const int64_t g = g0 + tc;
     const uint8_t* ft = tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes + rb * kPkFtBytes;
@@ -390,13 +399,10 @@ __attribute__((noinline)) void stream_half(const uint8_t* tiles, const uint8_t* 
         w0 = (__m512bh)_mm512_load_si512(pb + 2 * cg * kFragElems);
         w1 = (__m512bh)_mm512_load_si512(pb + 2 * cg * kFragElems + 32);
       } else {
-        const uint8_t* r = ft + 2 * cg * kPkFtBytes;
-        const __m512i lo = _mm512_loadu_si512(r);
-        const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kPkLoBytes)));
-        const __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(c, c, 0x50), shifts), nib);
-        const __m512i hi = _mm512_shuffle_epi8(lut, codes);
-        w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-        w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        __m512i a, b;
+        ft_words(ft + 2 * cg * kPkFtBytes, lut, shifts, nib, a, b);
+        w0 = (__m512bh)a;
+        w1 = (__m512bh)b;
       }
 #pragma GCC unroll 8
       for (int t = 0; t < NB; ++t) {

@@ -313,21 +313,29 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
+// y[n, m] = x[n, k] . W^T + bias on checked buffers at addresses: the panel kernel, else the fp32
+// fused one of `fused`; the caller holds no GIL. False when the panel kernel could not allocate its
+// buffers (y incomplete); a malformed tile is reported in bad. Shared by PackedLinear::run and the
+// capsule entry.
+bool packed_rows(const Packed& w, const Kernel& fused, bool panel, const uint16_t* x, int64_t n,
+                 const uint16_t* bias, uint16_t* y, int threads, std::atomic<int64_t>& bad) {
+  if (!panel) {
+    fused_rows(w, fused.packed_gemm_rows, x, n, bias, y, threads, bad);
+    return true;
+  }
+  panel_rows(w, x, n, bias, y, threads, bad);
+  return !avx512bf16_alloc_failed();
+}
+
 // The capsule entry (PackedCall, cpu_gemm.h): what PackedLinear::run does, on sizes the caller
 // checked, without Python (the torch op extension calls it with the GIL released).
 int64_t packed_call(const PackedCall& c) {
   try {
     if (c.panel && !avx512bf16_supported()) return kPackedCallFailed;
-    const int64_t mt = tile_count(c.m), kt = tile_count(c.k);
-    const Packed w{c.tiles, c.luts, c.exc_start, c.exc, c.exc_len, c.m, c.k, mt, kt};
+    const Packed w{c.tiles, c.luts, c.exc_start, c.exc, c.exc_len, c.m, c.k, tile_count(c.m), tile_count(c.k)};
+    static const Kernel best = pick("auto");
     std::atomic<int64_t> bad{-1};
-    if (c.panel) {
-      panel_rows(w, c.x, c.n, c.bias, c.y, c.threads, bad);
-      if (avx512bf16_alloc_failed()) return kPackedCallFailed;
-    } else {
-      static const Kernel best = pick("auto");
-      fused_rows(w, best.packed_gemm_rows, c.x, c.n, c.bias, c.y, c.threads, bad);
-    }
+    if (!packed_rows(w, best, c.panel, c.x, c.n, c.bias, c.y, c.threads, bad)) return kPackedCallFailed;
     const int64_t g = bad.load();
     return g < 0 ? kPackedCallDone : g;
   } catch (...) {  // (std::bad_alloc from a buffer)
@@ -358,14 +366,12 @@ class PackedLinear {
     const auto* bs = reinterpret_cast<const uint16_t*>(bias);
     auto* ys = reinterpret_cast<uint16_t*>(y);
     std::atomic<int64_t> bad{-1};
+    bool done;
     {
       py::gil_scoped_release nogil;
-      if (panel)
-        panel_rows(w_, xs, n, bs, ys, threads, bad);
-      else
-        fused_rows(w_, fused_.packed_gemm_rows, xs, n, bs, ys, threads, bad);
+      done = packed_rows(w_, fused_, panel, xs, n, bs, ys, threads, bad);
     }
-    if (panel && avx512bf16_alloc_failed()) throw std::bad_alloc();
+    if (!done) throw std::bad_alloc();
     raise_bad(bad.load(), w_.kt, kPackedBad);
   }
 
