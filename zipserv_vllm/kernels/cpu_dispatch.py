@@ -127,14 +127,19 @@ def choose(n: int, m: int, k: int) -> str:
     return default_kernel(n)
 
 
+# The token counts each bucket's choice serves in the C++ op kernel: (b_prev, b], the last one on to any N.
+_BUCKET_SPANS = tuple(zip((1,) + tuple(b + 1 for b in BUCKETS[:-1]), BUCKETS[:-1] + (1 << 62,)))
+
+
 def bucket_choices(m: int, k: int) -> list[str] | None:
     """:func:`choose` per bucket of :data:`BUCKETS` for an m x k weight, or None where some token
-    count would get another kernel than its bucket's (a measurement at an N that is no bucket): the
-    C++ op kernel (kernels/cpu.py) keeps one choice per bucket."""
-    per = [choose(b, m, k) for b in BUCKETS]
-    if any(choose(n, m, k) != per[BUCKETS.index(bucket(n))] for n in range(1, BUCKETS[-1] + 1)):
+    count would get another kernel than its bucket's: the C++ op kernel (kernels/cpu.py) keeps one
+    choice per bucket. ``choose`` steps only at measured N (so every measured N must be a bucket)
+    and where :func:`default_kernel` steps (a threshold on N: equal at both ends of each span)."""
+    if any(n not in BUCKETS for n, _ in _MEASURED.get((m, k), ())) or \
+            any(default_kernel(lo) != default_kernel(hi) for lo, hi in _BUCKET_SPANS):
         return None
-    return per
+    return [choose(b, m, k) for b in BUCKETS]
 
 
 def ratios_line(m: int, k: int, by_n: dict[int, dict[str, float]]) -> str:
