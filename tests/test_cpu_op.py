@@ -253,3 +253,78 @@ def test_a_threshold_past_int64_is_clamped_not_an_error(counted, monkeypatch):
     before = len(counted)
     _same((x, pt, None, "fast"))
     assert len(counted) == before and cpu_kernels.op_status() == "C++ CPU kernel installed"
+
+
+# ------------------------------------------------------------- zipserv::packed_embedding
+def _emb(ids, pt, rows):
+    return torch.ops.zipserv.packed_embedding(ids, pt.tiles, pt.luts, pt.exc_start, pt.exc, *pt.shape, rows)
+
+
+def _emb_python(ids, pt, rows):
+    return ops._PYTHON_IMPLS["packed_embedding"](ids, pt.tiles, pt.luts, pt.exc_start, pt.exc, *pt.shape, rows)
+
+
+@pytest.fixture
+def counted_embedding():
+    """The embedding's C++ kernel installed, with a Python implementation that counts its calls."""
+    from zipserv_vllm.kernels import embedding  # noqa: F401  (defines the op)
+
+    cpu_kernels.install_op(ops._packed_gemm_python)
+    assert cpu_kernels._op is not None, cpu_kernels.op_status()
+    calls = []
+    real = ops._PYTHON_IMPLS["packed_embedding"]
+
+    def python(*a):
+        calls.append(a)
+        return real(*a)
+
+    cpu_kernels._op.install_embedding(python, cpu_kernels._cpu_gemm.embedding_call)
+    cpu_kernels._op_extras.add("embedding")
+    yield calls
+    cpu_kernels._op.install_embedding(real, cpu_kernels._cpu_gemm.embedding_call)
+
+
+def test_embedding_lookups_run_in_cpp_bit_exact(counted_embedding):
+    """Every lookup of a well-formed table runs in C++ (no Python call) and gives the rows of the
+    decoded table bit for bit: ids of any shape, int32 or int64, clamped to [0, rows), rows past the
+    table zeros (vLLM's vocabulary padding), repeated ids, no ids."""
+    from zipserv_vllm.format.cpu_layout import reference_unpack
+
+    w = _mixed_weight(200, 136)
+    pt = cpu_kernels.pack(w)
+    rows = 256
+    table = torch.cat([reference_unpack(pt), torch.zeros(rows - 200, 136, dtype=torch.bfloat16)])
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([5]), torch.tensor([0, 199, 64, 64, 5]), torch.randint(-5, 300, (3, 7), generator=g),
+             torch.randint(0, 256, (40,), generator=g).to(torch.int32), torch.zeros(0, dtype=torch.int64),
+             torch.arange(0, 256).reshape(2, 2, 64)[:, :, ::3]]  # (the last one strided)
+    for ids in cases:
+        got = _emb(ids, pt, rows)
+        want = table[ids.clamp(0, rows - 1).long()]
+        assert got.shape == (*ids.shape, 136) and torch.equal(_bits(got), _bits(want)), ids.shape
+    assert counted_embedding == []
+
+
+def test_embedding_calls_it_does_not_serve_are_the_python_paths(counted_embedding):
+    pt = cpu_kernels.pack(_mixed_weight(200, 136))
+    ids = torch.tensor([3, 150])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        _emb(ids.float(), pt, 200)
+    with pytest.raises(ValueError, match="at least the table"):
+        _emb(ids, pt, 100)
+    assert len(counted_embedding) == 2
+    # a malformed table: the C++ kernel refuses, the Python path raises its error
+    bad = _corrupt(pt, "d_out_of_tile")
+    with pytest.raises(ValueError) as cpp:
+        _emb(torch.tensor([0]), bad, 200)
+    with pytest.raises(ValueError) as py:
+        _emb_python(torch.tensor([0]), bad, 200)
+    assert str(cpp.value) == str(py.value) and len(counted_embedding) == 3
+    # set_isa: Python until lifted
+    cpu_kernels.set_isa(cpu_kernels.isas()[-1])
+    try:
+        assert torch.equal(_emb(ids, pt, 200), _emb_python(ids, pt, 200)) and len(counted_embedding) == 4
+    finally:
+        cpu_kernels.set_isa(None)
+    _emb(ids, pt, 200)
+    assert len(counted_embedding) == 4

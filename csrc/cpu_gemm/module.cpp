@@ -205,10 +205,60 @@ void packed_decode(const py::array& tiles, const py::array& luts, const py::arra
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
-// out[i] = row ids[i] of W (ids clamped to [0, rows); rows m .. rows - 1 are
+// y[i] = row ids[i] of W (ids clamped to [0, rows); rows m .. rows - 1 are
 // vocabulary padding: zeros), bit for bit: only the tile rows the ids touch
-// are decoded, each once, by the byte-split decoder of kernel kern, into a
-// per-item scratch of 64 rows (a view of W holding that tile row).
+// are decoded, each once, by the byte-split decoder `decode`, into a per-item
+// scratch of 64 rows (a view of W holding that tile row). Runs without the
+// GIL; false when out of memory; the first malformed tile goes to bad.
+bool embedding_rows(const Packed& w, PackedDecodeRowsFn decode, const int64_t* id, int64_t n, int64_t rows,
+                    uint16_t* y, int threads, std::atomic<int64_t>& bad) {
+  const int64_t m = w.m, k = w.k;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (row, i) of the ids inside W, sorted by row
+  order.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = std::min(std::max<int64_t>(id[i], 0), rows - 1);
+    if (r < m)
+      order.emplace_back(r, i);
+    else
+      std::memset(y + i * k, 0, static_cast<size_t>(k) * 2);
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<size_t> group;  // start of each tile row's run in order
+  for (size_t j = 0; j < order.size(); ++j)
+    if (j == 0 || order[j].first / kTile != order[j - 1].first / kTile) group.push_back(j);
+  group.push_back(order.size());
+  std::atomic<bool> no_memory{false};
+  auto body = [&](int64_t a, int64_t b) {
+    std::unique_ptr<uint16_t[]> scratch(new (std::nothrow) uint16_t[static_cast<size_t>(kTile * k)]);
+    if (!scratch) {  // (no exception may leave the parallel region)
+      no_memory.store(true);
+      return;
+    }
+    for (int64_t gi = a; gi < b; ++gi) {
+      const int64_t tm = order[group[gi]].first / kTile;
+      Packed v = w;  // tile row tm alone
+      v.tiles += tm * w.kt * kPkTileBytes;
+      v.luts += tm * w.kt * kPkLutEntries;
+      v.exc_start += tm * w.kt;
+      v.m = std::min<int64_t>(kTile, m - tm * kTile);
+      v.mt = 1;
+      std::atomic<int64_t> vbad{-1};
+      decode(DecodeJobT<Packed>{v, scratch.get(), &vbad}, 0, 1);
+      if (vbad.load() >= 0) {
+        report_bad(&bad, tm * w.kt + vbad.load());
+        continue;
+      }
+      for (size_t j = group[gi]; j < group[gi + 1]; ++j)
+        std::memcpy(y + order[j].second * k, scratch.get() + (order[j].first - tm * kTile) * k,
+                    static_cast<size_t>(k) * 2);
+    }
+  };
+  // (a decode step's one or few ids: one tile row or a few, on the calling thread)
+  parallel_for(static_cast<int64_t>(group.size()) - 1, group.size() <= 2 ? 1 : threads, body);
+  return !no_memory.load();
+}
+
+// embedding_rows on checked arrays (kernels/cpu.py packed_embedding).
 void packed_embedding(const py::array& ids, const py::array& tiles, const py::array& luts,
                       const py::array& exc_start, const py::array& exc, int64_t m, int64_t k, int64_t rows,
                       py::array out, int threads, const std::string& isa) {
@@ -220,55 +270,31 @@ void packed_embedding(const py::array& ids, const py::array& tiles, const py::ar
   const int64_t n = ids.shape(0);
   check(out, "out", "ui", 2, {n, k});
   if (!out.writeable()) throw std::invalid_argument("out must be writeable");
-  const int64_t* id = static_cast<const int64_t*>(ids.data());
-  uint16_t* y = static_cast<uint16_t*>(out.mutable_data());
   std::atomic<int64_t> bad{-1};
+  bool ok;
   {
     py::gil_scoped_release nogil;
-    std::vector<std::pair<int64_t, int64_t>> order;  // (row, i) of the ids inside W, sorted by row
-    order.reserve(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = std::min(std::max<int64_t>(id[i], 0), rows - 1);
-      if (r < m)
-        order.emplace_back(r, i);
-      else
-        std::memset(y + i * k, 0, static_cast<size_t>(k) * 2);
-    }
-    std::sort(order.begin(), order.end());
-    std::vector<size_t> group;  // start of each tile row's run in order
-    for (size_t j = 0; j < order.size(); ++j)
-      if (j == 0 || order[j].first / kTile != order[j - 1].first / kTile) group.push_back(j);
-    group.push_back(order.size());
-    std::atomic<bool> no_memory{false};
-    auto body = [&](int64_t a, int64_t b) {
-      std::unique_ptr<uint16_t[]> scratch(new (std::nothrow) uint16_t[static_cast<size_t>(kTile * k)]);
-      if (!scratch) {  // (no exception may leave the parallel region)
-        no_memory.store(true);
-        return;
-      }
-      for (int64_t gi = a; gi < b; ++gi) {
-        const int64_t tm = order[group[gi]].first / kTile;
-        Packed v = w;  // tile row tm alone
-        v.tiles += tm * w.kt * kPkTileBytes;
-        v.luts += tm * w.kt * kPkLutEntries;
-        v.exc_start += tm * w.kt;
-        v.m = std::min<int64_t>(kTile, m - tm * kTile);
-        v.mt = 1;
-        std::atomic<int64_t> vbad{-1};
-        kern.packed_decode_rows(DecodeJobT<Packed>{v, scratch.get(), &vbad}, 0, 1);
-        if (vbad.load() >= 0) {
-          report_bad(&bad, tm * w.kt + vbad.load());
-          continue;
-        }
-        for (size_t j = group[gi]; j < group[gi + 1]; ++j)
-          std::memcpy(y + order[j].second * k, scratch.get() + (order[j].first - tm * kTile) * k,
-                      static_cast<size_t>(k) * 2);
-      }
-    };
-    parallel_for(static_cast<int64_t>(group.size()) - 1, threads, body);
-    if (no_memory.load()) throw std::bad_alloc();
+    ok = embedding_rows(w, kern.packed_decode_rows, static_cast<const int64_t*>(ids.data()), n, rows,
+                        static_cast<uint16_t*>(out.mutable_data()), threads, bad);
   }
+  if (!ok) throw std::bad_alloc();
   raise_bad(bad.load(), w.kt, kPackedBad);
+}
+
+// The capsule entry (EmbeddingCall, cpu_gemm.h): packed_embedding without Python, at the best
+// ISA, on arrays the caller checked (the torch op extension calls it with the GIL released).
+int64_t embedding_call(const EmbeddingCall& c) {
+  try {
+    if (c.rows < c.m || c.n < 0) return kEmbeddingCallFailed;
+    const Packed w{c.tiles, c.luts, c.exc_start, c.exc, c.exc_len, c.m, c.k, tile_count(c.m), tile_count(c.k)};
+    static const Kernel best = pick("auto");
+    std::atomic<int64_t> bad{-1};
+    if (!embedding_rows(w, best.packed_decode_rows, c.ids, c.n, c.rows, c.y, c.threads, bad) || bad.load() >= 0)
+      return kEmbeddingCallFailed;
+    return kEmbeddingCallDone;
+  } catch (...) {  // (std::bad_alloc from a buffer)
+    return kEmbeddingCallFailed;
+  }
 }
 
 constexpr int64_t kBf16Rows = 4;
@@ -587,13 +613,22 @@ class MoeLayer {
     std::string err;
     {
       py::gil_scoped_release nogil;
-      err = moe_forward_core(reinterpret_cast<const uint16_t*>(x), t_count, hidden_, reinterpret_cast<const void*>(ids),
-                             id_bytes, reinterpret_cast<const float*>(weights), k, t13_.data(), t2_.data(), e_count_,
-                             inter_, on_input, reinterpret_cast<uint16_t*>(out), threads);
+      err = forward(reinterpret_cast<const uint16_t*>(x), t_count, reinterpret_cast<const void*>(ids), id_bytes,
+                    reinterpret_cast<const float*>(weights), k, reinterpret_cast<uint16_t*>(out), on_input, threads);
     }
     if (avx512bf16_alloc_failed()) throw std::bad_alloc();
     if (!err.empty()) throw std::invalid_argument(err);
   }
+
+  // run() on checked arguments, without Python: "" or the error.
+  std::string forward(const uint16_t* x, int64_t t_count, const void* ids, int id_bytes, const float* weights,
+                      int64_t k, uint16_t* out, bool on_input, int threads) const {
+    return moe_forward_core(x, t_count, hidden_, ids, id_bytes, weights, k, t13_.data(), t2_.data(), e_count_, inter_,
+                            on_input, out, threads);
+  }
+
+  // The capsule the torch op extension takes (kMoeLayerCapsule): this object's address, no ownership.
+  py::capsule handle() const { return py::capsule(const_cast<MoeLayer*>(this), kMoeLayerCapsule); }
 
   int64_t hidden() const { return hidden_; }
   int64_t inter() const { return inter_; }
@@ -603,6 +638,20 @@ class MoeLayer {
   int64_t inter_, hidden_, e_count_;
   std::vector<int64_t> t13_, t2_;
 };
+
+// The capsule entry (MoeCall, cpu_gemm.h): MoeLayer::run without Python, on arguments the caller
+// checked (the torch op extension calls it with the GIL released).
+int64_t moe_call(const MoeCall& c) {
+  try {
+    if (c.t < 1 || c.k < 1 || (c.id_bytes != 4 && c.id_bytes != 8)) return kMoeCallFailed;
+    const auto* layer = static_cast<const MoeLayer*>(c.layer);
+    const std::string err = layer->forward(c.x, c.t, c.ids, c.id_bytes, c.weights, c.k, c.out, c.on_input, c.threads);
+    if (avx512bf16_alloc_failed() || !err.empty()) return kMoeCallFailed;
+    return kMoeCallDone;
+  } catch (...) {  // (std::bad_alloc from a buffer)
+    return kMoeCallFailed;
+  }
+}
 
 void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py::array& exc_start,
                         const py::array& exc, int64_t m, int64_t k, py::array out, int threads) {
@@ -656,6 +705,8 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   install_fork_guard();
   // (a function pointer as the capsule's pointer: the torch op extension calls it directly)
   mod.attr("packed_call") = py::capsule(reinterpret_cast<void*>(&packed_call), kPackedCallCapsule);
+  mod.attr("moe_call") = py::capsule(reinterpret_cast<void*>(&moe_call), kMoeCallCapsule);
+  mod.attr("embedding_call") = py::capsule(reinterpret_cast<void*>(&embedding_call), kEmbeddingCallCapsule);
   mod.def("isas", &supported_isas, "ISAs this CPU can run, best first (always ends with 'scalar')");
   mod.def("gemm", &gemm, py::arg("x"), py::arg("bitmaps"), py::arg("base"), py::arg("offsets"), py::arg("sm"),
           py::arg("fb"), py::arg("m"), py::arg("k"), py::arg("bias"), py::arg("out"), py::arg("threads"),
@@ -681,6 +732,8 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
            py::arg("weights"), py::arg("k"), py::arg("out"), py::arg("on_input"), py::arg("threads"),
            "A MoE layer's routed experts for tokens x (routing, both GEMMs, SiLU x up, weighted sum), one call, "
            "on buffers at the given addresses")
+      .def("handle", &MoeLayer::handle,
+           "A capsule holding this layer's address (for the torch op extension; the caller keeps the layer alive)")
       .def_property_readonly("hidden", &MoeLayer::hidden)
       .def_property_readonly("inter", &MoeLayer::inter)
       .def_property_readonly("experts", &MoeLayer::experts);

@@ -86,13 +86,15 @@ def compiled(qwen2_dirs, tmp_path_factory):
         {"name": "moe_exact", "model": moe_zs, "mode": "exact"},
         {"name": "moe_pack", "model": moe, "mode": "exact", "quantization": True},
         {"name": "mixtral_base", "model": mixtral, "mode": "exact", "score": "self"},
-        {"name": "mixtral_pack", "model": mixtral, "mode": "exact", "quantization": True},
+        # (each fast engine before any other zipserv engine of its model in the process: see
+        # test_fast_mode_compiled_moe_layers_run_in_cpp)
         {"name": "mixtral_fast", "model": mixtral, "mode": "fast", "quantization": True, "score": "mixtral_base"},
+        {"name": "mixtral_pack", "model": mixtral, "mode": "exact", "quantization": True},
     ], cache, root / "a.json", aot_root)
     b = _worker([
+        {"name": "moe_fast", "model": moe_zs, "mode": "fast", "score": a["moe_base"]["score_seqs"]},
         {"name": "moe_exact", "model": moe_zs, "mode": "exact"},
         {"name": "dense_exact", "model": dense_zs, "mode": "exact"},
-        {"name": "moe_fast", "model": moe_zs, "mode": "fast", "score": a["moe_base"]["score_seqs"]},
         {"name": "dense_fast", "model": dense_zs, "mode": "fast", "score": a["dense_base"]["score_seqs"]},
     ], cache, root / "b.json", aot_root)
     return a, b
@@ -154,3 +156,23 @@ def test_fast_mode_compiled_within_bound(compiled):
     assert 0 < max_score_diff(b["dense_fast"], a["dense_base"]) <= FAST_LOGPROB_TOL
     assert mean_score_diff(b["moe_fast"], a["moe_base"]) <= MOE_FAST_MEAN_TOL
     assert max_score_diff(b["moe_fast"], a["moe_base"]) <= MOE_FAST_MAX_TOL
+
+
+def test_fast_mode_compiled_moe_layers_run_in_cpp(compiled):
+    """Compiled fast mode on an AVX512-BF16 CPU: after the first call of each MoE layer (served by
+    the op's Python implementation), zipserv::moe_experts' C++ CPU kernel serves every compressed MoE
+    layer of the model by name, as vLLM's own MoE kernel is called from the compiled graph. (Only
+    while the name is unambiguous: a compiled engine's model outlives its shutdown in this process,
+    so a later engine's layers of the same names stay in the Python implementation, which finds
+    each in its own forward pass; hence each fast engine here runs before the other zipserv
+    engines of its model.)"""
+    from zipserv_vllm.kernels import cpu
+
+    if not (cpu.available() and cpu.bf16_supported()):
+        pytest.skip("the one-call MoE kernel (and so its C++ op path) needs AVX512-BF16; this CPU has none")
+    a, b = compiled
+    for run in (b["moe_fast"], a["mixtral_fast"]):
+        rep = run["cpp_op"]
+        assert rep["status"] == "C++ CPU kernel installed", rep
+        assert rep["moe_layers"] and rep["moe_served"] == rep["moe_layers"], rep
+    assert b["moe_exact"]["cpp_op"]["moe_served"] == []  # exact mode runs vLLM's kernel, never this one

@@ -180,7 +180,7 @@ def test_moe_layers_found_by_name_in_their_own_engine():
 
     from zipserv_vllm.vllm_plugin import moe
 
-    class Method:  # the two things the op uses of a ZipServMoEMethod
+    class Method:  # the three things the op uses of a ZipServMoEMethod
         # a name no real model in this process has: earlier tests in the same pytest worker may still hold
         # engines whose layers are named model.layers.N.mlp.experts
         zs_prefix = "test_config.two_engines.mlp.experts"
@@ -190,6 +190,9 @@ def test_moe_layers_found_by_name_in_their_own_engine():
 
         def compute(self, layer, x, topk_weights, topk_ids):
             return x + self.tag
+
+        def one_call(self, layer, x):  # (not the one-call kernel: the C++ op kernel never takes these)
+            return None
 
     layers, configs = [], []
     for tag in (1.0, 2.0):

@@ -96,6 +96,19 @@ def _compilation(llm) -> dict:
     return {"mode": getattr(cc.mode, "name", str(cc.mode)), "backend": str(cc.backend)}
 
 
+def cpp_op_report(model) -> dict:
+    """Which calls the C++ CPU kernels of the zipserv ops serve in this engine (``llm.apply_model``):
+    the install status, the MoE layers served by name, and the model's compressed MoE layers' names
+    (in fast mode with the one-call kernel, after a generation, the two lists should agree)."""
+    from zipserv_vllm.kernels import cpu
+    from zipserv_vllm.vllm_plugin import moe
+
+    mine = sorted(moe._op_name(m.quant_method.zs_prefix) for m in model.modules()
+                  if isinstance(getattr(m, "quant_method", None), moe.ZipServMoEMethod) and moe.moe_states(m))
+    served = sorted(cpu._op.remembered_moe()) if cpu._op is not None else []
+    return {"status": cpu.op_status(), "moe_served": served, "moe_layers": mine}
+
+
 def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
     """Start one engine, run the greedy batch (+ one chat), measure its weights, stop it.
 
@@ -115,6 +128,7 @@ def run_engine(model: Path, chat: bool = True, score=None, **kw) -> dict:
             "text": [o.outputs[0].text for o in outs],
             "memory": llm.apply_model(weight_memory)[0],
             "compilation": _compilation(llm),
+            "cpp_op": llm.apply_model(cpp_op_report)[0],
         }
         if score is not None:
             seqs = ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]

@@ -164,9 +164,75 @@ def op_served(m: int, k: int, fallback) -> None:
         _op.remember(m, k, [c == "panel" for c in per], min(max_n, (1 << 63) - 1),
                      None if raw is None else os.fsdecode(raw), gen)
     except Exception as exc:  # noqa: BLE001  (the call itself was served: keep its result)
-        if _op is not None:
-            _op.enable(False)
-        _op, _op_reason = None, f"disabled after an error: {type(exc).__name__}: {exc}"
+        _op_failed(exc)
+
+
+# zipserv::packed_embedding and zipserv::moe_experts likewise (csrc/cpu_op), each installed at the
+# first call its Python implementation served natively. The embedding's C++ kernel serves every hot
+# call from then on (the lookup is bit-exact whatever decodes it: nothing to remember); a MoE layer
+# that the Python implementation (vllm_plugin/moe.py) served through its one-call MoeLayer is
+# registered by name and served in C++ until something that decides its path changes
+# (moe_op_forget; _op_sync).
+_op_extras: set[str] = set()  # the ops installed beside packed_gemm: "embedding", "moe"
+
+
+def _install_extra(name: str, fallback) -> bool:
+    """Install op ``name``'s C++ kernel with ``fallback`` (its Python implementation) unless it is;
+    True when it was installed before this call."""
+    global _op, _op_reason
+    if name in _op_extras:
+        return True
+    if _op is None:
+        from .ops import _packed_gemm_python
+
+        if _op_tried or install_op(_packed_gemm_python) is not None:
+            return False
+    capsule = getattr(_cpu_gemm, f"{name}_call", None)
+    if capsule is not None:  # (None: an older _cpu_gemm build; the op stays Python)
+        getattr(_op, f"install_{name}")(fallback, capsule)
+        _op_extras.add(name)
+    return False
+
+
+def _op_failed(exc: Exception) -> None:
+    global _op, _op_reason
+    if _op is not None:
+        _op.enable(False)
+    _op, _op_reason = None, f"disabled after an error: {type(exc).__name__}: {exc}"
+
+
+def embedding_op_served(fallback) -> None:
+    """The Python implementation of ``zipserv::packed_embedding`` (``fallback``) served a lookup
+    natively: install its C++ kernel (once). Never raises."""
+    try:
+        _install_extra("embedding", fallback)
+    except Exception as exc:  # noqa: BLE001  (the call itself was served: keep its result)
+        _op_failed(exc)
+
+
+def moe_op_served(name: str, fallback, held: "_Held", on_input: bool, generation: int) -> None:
+    """The Python implementation of ``zipserv::moe_experts`` (``fallback``) served the MoE layer
+    ``name`` through ``held.obj`` (a :func:`moe_layer`; ``held`` keeps it and the experts' tensors
+    alive): let the C++ kernel serve that name (installing it the first time). ``generation``:
+    :func:`moe_op_generation` read before the call was computed (a forget since drops it). Never
+    raises: whatever goes wrong leaves the op in Python, with the reason in op_status()."""
+    try:
+        if _install_extra("moe", fallback):  # (just installed: install_moe forgot, generation is stale)
+            _op.remember_moe(name, held.obj.handle(), held, int(held.obj.hidden), bool(on_input), generation)
+    except Exception as exc:  # noqa: BLE001  (the call itself was served: keep its result)
+        _op_failed(exc)
+
+
+def moe_op_generation() -> int:
+    """The C++ kernel's generation (0 when not installed): read before computing a call whose
+    layer :func:`moe_op_served` then registers."""
+    return _op.generation() if _op is not None else 0
+
+
+def moe_op_forget(name: str | None = None) -> None:
+    """Stop serving the MoE layer ``name`` (every layer: None) in C++: its layers, or their parts, changed."""
+    if _op is not None and "moe" in _op_extras:
+        _op.forget_moe(name)
 
 
 def set_isa(isa: str | None) -> None:
@@ -556,7 +622,7 @@ def moe_experts(xs: torch.Tensor, counts: list[int], w13: np.ndarray, w2: np.nda
 
 
 def moe_layer(w13: np.ndarray, w2: np.ndarray, inter: int, hidden: int):
-    """The extension's ``MoeLayer`` for one MoE layer's :func:`expert_table`\ s (``w13``: gate rows
+    """The extension's ``MoeLayer`` for one MoE layer's :func:`expert_table` tables (``w13``: gate rows
     then up rows, 2 I x H; ``w2``: H x I): the tables checked against the sizes once and copied;
     the experts' tensors must outlive it (the caller keeps them). Run it with :func:`moe_run`."""
     _need()
@@ -597,7 +663,7 @@ def moe_run(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: np.ndarray,
                 w2: np.ndarray, inter: int, *, on_input: bool = False, threads: int | None = None) -> torch.Tensor:
-    """:func:`moe_run` on the :func:`expert_table`\ s ``w13`` / ``w2`` (checked on every call; the
+    """:func:`moe_run` on the :func:`expert_table` tables ``w13`` / ``w2`` (checked on every call; the
     plugin keeps a :func:`moe_layer` per layer instead)."""
     _need()
     _check_moe_x(x, "x")

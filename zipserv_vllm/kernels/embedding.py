@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..format import CompressedTensor, spec
 from ..format.cpu_layout import PackedTensor
-from .ops import lean_op
+from .ops import _PYTHON_IMPLS, lean_op
 
 
 def _lookup(ids, decode_rows, device, m, k, rows):
@@ -86,13 +86,18 @@ def packed_embedding(ids: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor,
 
     _check_ids(ids, m, rows)
     if tiles.device.type == "cpu" and cpu_kernels.available():  # one native call (a decode step's lookup: µs)
-        return cpu_kernels.packed_embedding(ids, PackedTensor((m, k), tiles, luts, exc_start, exc), rows)
+        y = cpu_kernels.packed_embedding(ids, PackedTensor((m, k), tiles, luts, exc_start, exc), rows)
+        cpu_kernels.embedding_op_served(_packed_embedding_python)  # (its C++ kernel serves the next calls)
+        return y
 
     def decode_rows(idx, sub_m):
         sub = PackedTensor((m, k), tiles, luts, exc_start, exc).select_tile_rows(idx, sub_m)
         return packed_decompress(sub.tiles, sub.luts, sub.exc_start, sub.exc, sub_m, k)
 
     return _lookup(ids, decode_rows, tiles.device, m, k, rows)
+
+
+_packed_embedding_python = _PYTHON_IMPLS["packed_embedding"]  # (the C++ CPU kernel hands it the rest)
 
 
 def compressed_embedding(ids: torch.Tensor, ct: CompressedTensor | PackedTensor, rows: int | None = None) -> torch.Tensor:

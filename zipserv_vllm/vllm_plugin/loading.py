@@ -73,6 +73,13 @@ def uses_packed(device: torch.device, mode: str) -> bool:
 
 
 _PARTS_EPOCH = [0]
+_PARTS_HOOKS: list[Callable[[], None]] = []
+
+
+def on_parts_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after every assignment of any layer's ``parts`` (what caches addresses into
+    them drops its copies)."""
+    _PARTS_HOOKS.append(fn)
 
 
 def parts_epoch() -> int:
@@ -90,6 +97,8 @@ class LayerState:
         object.__setattr__(self, name, value)
         if name == "parts":  # (after the assignment: a reader that sees the new number sees the new parts)
             _PARTS_EPOCH[0] += 1
+            for fn in _PARTS_HOOKS:
+                fn()
 
     prefix: str
     kind: str                       # "linear" or "embedding"

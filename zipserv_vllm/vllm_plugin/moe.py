@@ -91,6 +91,7 @@ def _register(layer, method) -> None:
     if isinstance(ctx, dict):
         ctx[name] = entry
     _LAYERS.setdefault(name, []).append(entry)
+    ops._cpu_kernels().moe_op_forget(name)  # (the C++ kernel serves a name only while it is unambiguous)
     weakref.finalize(layer, _forget, name, entry)  # the method (and its arenas) go with the model
 
 
@@ -100,6 +101,15 @@ def _forget(name: str, entry: _Entry) -> None:
         entries.remove(entry)
     if not entries:
         _LAYERS.pop(name, None)
+    ops._cpu_kernels().moe_op_forget(name)
+
+
+def _parts_changed() -> None:
+    """Some layer's parts were assigned: the C++ kernel's MoE layers may point at old tensors."""
+    ops._cpu_kernels().moe_op_forget()
+
+
+loading.on_parts_change(_parts_changed)
 
 
 def _lookup(name: str) -> _Entry:
@@ -131,7 +141,19 @@ def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     layer = entry.layer_ref()
     if layer is None:
         raise RuntimeError("zipserv: a MoE layer was called after its model was freed")
-    return entry.method.compute(layer, x, topk_weights, topk_ids)
+    cpu_kernels = ops._cpu_kernels()
+    generation = cpu_kernels.moe_op_generation()
+    y = entry.method.compute(layer, x, topk_weights, topk_ids)
+    held = entry.method.one_call(layer, x)
+    if held is not None and sum(e.layer_ref() is not None for e in _LAYERS.get(layer_name, ())) == 1:
+        # served by the one-call kernel, and the name means this layer in any forward pass: the
+        # op's C++ CPU kernel serves the next calls (the same kernel on the same arguments)
+        cpu_kernels.moe_op_served(layer_name, _moe_experts_python, held,
+                                  bool(layer.apply_router_weight_on_input), generation)
+    return y
+
+
+_moe_experts_python = ops._PYTHON_IMPLS["moe_experts"]  # (the function; the C++ CPU kernel hands it the rest)
 
 
 class _NotSmaller(ValueError):
@@ -571,6 +593,18 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
+
+    def one_call(self, layer, x):
+        """The holder of the layer's one-call kernel (:meth:`_native_layer`) when a call on ``x``
+        just ran through it and it is still current, else None."""
+        if not (self.zs_config.mode == "fast" and getattr(layer.activation, "value", None) == "silu"
+                and layer.expert_map is None and x.dim() == 2 and moe_states(layer)):
+            return None
+        held = layer.__dict__.get("_zs_moe_native")
+        if held is None or held.obj is None or held.key is None or held.key[0] != loading.parts_epoch() \
+                or held.key[1] != x.shape[1] or held.key[2] is not None:
+            return None
+        return held
 
     def _native_layer(self, layer, states, n_exp: int, inter: int, hidden: int):
         """A holder of the layer's ``cpu_kernels.moe_layer`` (its experts' address tables, checked

@@ -76,6 +76,55 @@ using PackedCallFn = int64_t (*)(const PackedCall&);
 // extension is refused by name (change the number with the struct).
 constexpr const char* kPackedCallCapsule = "zipserv_vllm._cpu_gemm.packed_call/1";
 
+// One MoE layer's routed experts for t tokens (what MoeLayer::run does, module.cpp), by
+// address: the torch op extension's entry for zipserv::moe_experts, through the capsule
+// _cpu_gemm.moe_call. The layer comes from MoeLayer.handle() (a capsule named
+// kMoeLayerCapsule whose pointer is the MoeLayer; the caller keeps the Python object,
+// and with it the experts' tensors, alive while it calls). The caller has checked every
+// size and dtype (kernels/cpu.py moe_run's checks); the entry never throws and never
+// touches Python.
+struct MoeCall {
+  const void* layer;      // the MoeLayer
+  const uint16_t* x;      // [t][hidden] bf16 bits, contiguous
+  int64_t t;
+  const void* ids;        // [t][k] int32 (id_bytes 4) or int64 (8), contiguous
+  int id_bytes;
+  const float* weights;   // [t][k] fp32, contiguous
+  int64_t k;
+  uint16_t* out;          // [t][hidden] bf16 bits
+  bool on_input;          // the weights scale x (apply_router_weight_on_input)
+  int threads;
+};
+// kMoeCallDone when out is complete; kMoeCallFailed (an expert id out of range, a
+// malformed tile, out of memory) means out is not to be used and the caller runs the
+// checked path, which raises the error.
+constexpr int64_t kMoeCallDone = 0, kMoeCallFailed = 1;
+using MoeCallFn = int64_t (*)(const MoeCall&);
+constexpr const char* kMoeCallCapsule = "zipserv_vllm._cpu_gemm.moe_call/1";
+constexpr const char* kMoeLayerCapsule = "zipserv_vllm._cpu_gemm.MoeLayer/1";
+
+// Rows of a byte-split embedding table (kernels/cpu.py packed_embedding), by address: the
+// torch op extension's entry for zipserv::packed_embedding, through the capsule
+// _cpu_gemm.embedding_call. y[i] = row ids[i] of W (ids clamped to [0, rows); rows m ..
+// rows - 1 are zeros), bit for bit. The caller has checked the arrays' dtypes and
+// shapes; the entry never throws and never touches Python.
+struct EmbeddingCall {
+  const uint8_t* tiles;
+  const uint8_t* luts;
+  const int64_t* exc_start;
+  const uint32_t* exc;
+  int64_t exc_len, m, k, rows;
+  const int64_t* ids;  // [n], contiguous
+  int64_t n;
+  uint16_t* y;         // [n][k]
+  int threads;
+};
+// kEmbeddingCallFailed (a malformed tile, out of memory): y is not to be used; the caller
+// runs the checked path, which raises the error.
+constexpr int64_t kEmbeddingCallDone = 0, kEmbeddingCallFailed = 1;
+using EmbeddingCallFn = int64_t (*)(const EmbeddingCall&);
+constexpr const char* kEmbeddingCallCapsule = "zipserv_vllm._cpu_gemm.embedding_call/1";
+
 // Lane of column k (the kernels' fp32 copy of x keeps natural column order).
 inline int lane_of(int64_t k) { return static_cast<int>(k & 3); }
 
