@@ -23,12 +23,17 @@ Two ways to fill it:
   page tables must be resolved again (:meth:`views`).
 
 Every array starts at a multiple of ``align`` bytes (256 by default) inside
-its page, so int64 (and wider vector) views are legal. This module imports
-no vLLM.
+its page, so int64 (and wider vector) views are legal. On Linux CPUs a page's
+memory is advised to be backed by transparent huge pages (``madvise``
+``MADV_HUGEPAGE`` on its 2 MiB-aligned interior, before it is written; where
+the kernel's THP setting is ``never`` nothing changes): the kernels stream
+every weight once per call, and with 4 KiB pages each one costs a TLB miss
+(docs/CPU.md). This module imports no vLLM.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +44,41 @@ DEFAULT_ALIGN = 256
 
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # (Linux)
+_madvise = None
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Advise the kernel to back ``t``'s whole 2 MiB pages with transparent huge pages (CPU, Linux;
+    advisory: any failure leaves ordinary pages)."""
+    global _madvise
+    if not sys.platform.startswith("linux"):
+        return
+    start = _round_up(t.data_ptr(), _HUGE_PAGE)
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return
+    try:
+        if _madvise is None:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+            _madvise = fn
+        _madvise(start, end - start, _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
+def _page_memory(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of uninitialised page memory on ``device`` (huge pages advised on the CPU)."""
+    t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        _advise_huge_pages(t)
+    return t
 
 
 @dataclass(frozen=True)
@@ -114,7 +154,7 @@ class PagedArena:
         for page in self._pages:
             if page.tensor is None and not page.released:
                 page.capacity = page.used
-                page.tensor = torch.empty(page.used, dtype=torch.uint8, device=self.device)
+                page.tensor = _page_memory(page.used, self.device)
                 page.sealed = True
 
     def put(self, t: torch.Tensor) -> Entry:
@@ -124,7 +164,7 @@ class PagedArena:
         slot = self.reserve(nbytes)
         page = self._pages[slot.page]
         if page.tensor is None:
-            page.tensor = torch.empty(page.capacity, dtype=torch.uint8, device=self.device)
+            page.tensor = _page_memory(page.capacity, self.device)
         entry = Entry(slot, src.dtype, tuple(src.shape))
         if nbytes:
             self.raw(slot).copy_(src.reshape(-1).view(torch.uint8), non_blocking=False)
@@ -141,7 +181,7 @@ class PagedArena:
         moved = False
         for page in self._pages:
             if page.tensor is not None and page.used < page.capacity:
-                new = torch.empty(page.used, dtype=torch.uint8, device=self.device)
+                new = _page_memory(page.used, self.device)
                 new.copy_(page.tensor[: page.used])
                 page.tensor, page.capacity, moved = new, page.used, True
             page.sealed = page.sealed or page.tensor is not None
