@@ -42,18 +42,24 @@ def _op(x, pt, bias=None, mode="fast"):
     return torch.ops.zipserv.packed_gemm(x, pt.tiles, pt.luts, pt.exc_start, pt.exc, *pt.shape, bias, mode)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Installs the C++ kernel (one call through Python) and counts later Python calls."""
+def _counting(name: str):
+    """(calls, a stand-in for op ``name``'s Python implementation that records them, the real one),
+    with the C++ kernel installed."""
     cpu_kernels.install_op(ops._packed_gemm_python)
     assert cpu_kernels._op is not None, cpu_kernels.op_status()
-    calls = []
-    real = ops._PYTHON_IMPLS["packed_gemm"]
+    calls, real = [], ops._PYTHON_IMPLS[name]
 
     def python(*a):
         calls.append(a)
         return real(*a)
 
+    return calls, python, real
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Installs the C++ kernel (one call through Python) and counts later Python calls."""
+    calls, python, real = _counting("packed_gemm")
     cpu_kernels._op.install(python, cpu_kernels._cpu_gemm.packed_call, "ZIPSERV_CPU_FUSED_MAX_N")
     cpu_kernels._op_sync()
     yield calls
@@ -269,15 +275,7 @@ def counted_embedding():
     """The embedding's C++ kernel installed, with a Python implementation that counts its calls."""
     from zipserv_vllm.kernels import embedding  # noqa: F401  (defines the op)
 
-    cpu_kernels.install_op(ops._packed_gemm_python)
-    assert cpu_kernels._op is not None, cpu_kernels.op_status()
-    calls = []
-    real = ops._PYTHON_IMPLS["packed_embedding"]
-
-    def python(*a):
-        calls.append(a)
-        return real(*a)
-
+    calls, python, real = _counting("packed_embedding")
     cpu_kernels._op.install_embedding(python, cpu_kernels._cpu_gemm.embedding_call)
     cpu_kernels._op_extras.add("embedding")
     yield calls

@@ -326,17 +326,26 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_weights, 
   return moe_python(x, topk_weights, topk_ids, layer_name);
 }
 
-void install(py::object fallback, py::capsule entry, std::string env_name) {
-  if (std::strcmp(entry.name(), zipserv::cpu::kPackedCallCapsule) != 0)
-    throw std::invalid_argument("not the _cpu_gemm.packed_call capsule");
-  std::lock_guard<std::mutex> lock(g_mu);
-  // The kernel is registered here, not when the library loads: kernels/cpu.py first checks that
-  // this build's torch is the running one. (Never freed: the registration lasts the process.)
-  static torch::Library* lib = nullptr;
+void check_capsule(const py::capsule& c, const char* name) {
+  if (std::strcmp(c.name(), name) != 0) throw std::invalid_argument(std::string("not the capsule ") + name);
+}
+
+// Registers `kernel` as zipserv::`op`'s CPU kernel the first time (lib: that op's registration).
+// Registered by the install functions, not when the library loads: kernels/cpu.py first checks
+// that this build's torch is the running one. (Never freed: the registration lasts the process.)
+template <class Kernel>
+void register_once(torch::Library*& lib, const char* op, Kernel kernel) {
   if (lib == nullptr) {
     lib = new torch::Library(torch::Library::IMPL, "zipserv", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    lib->impl("packed_gemm", TORCH_FN(packed_gemm_cpu));
+    lib->impl(op, kernel);
   }
+}
+
+void install(py::object fallback, py::capsule entry, std::string env_name) {
+  check_capsule(entry, zipserv::cpu::kPackedCallCapsule);
+  std::lock_guard<std::mutex> lock(g_mu);
+  static torch::Library* lib = nullptr;
+  register_once(lib, "packed_gemm", TORCH_FN(packed_gemm_cpu));
   g_state->fallback = std::move(fallback);
   g_state->entry = reinterpret_cast<PackedCallFn>(entry.get_pointer());
   g_state->env_name = std::move(env_name);
@@ -346,29 +355,21 @@ void install(py::object fallback, py::capsule entry, std::string env_name) {
 }
 
 void install_embedding(py::object fallback, py::capsule entry) {
-  if (std::strcmp(entry.name(), zipserv::cpu::kEmbeddingCallCapsule) != 0)
-    throw std::invalid_argument("not the _cpu_gemm.embedding_call capsule");
+  check_capsule(entry, zipserv::cpu::kEmbeddingCallCapsule);
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_state->entry == nullptr) throw std::logic_error("install() first");
-  static torch::Library* lib = nullptr;  // (as in install(); zipserv::packed_embedding is defined by then)
-  if (lib == nullptr) {
-    lib = new torch::Library(torch::Library::IMPL, "zipserv", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    lib->impl("packed_embedding", TORCH_FN(packed_embedding_cpu));
-  }
+  static torch::Library* lib = nullptr;  // (zipserv::packed_embedding is defined by then)
+  register_once(lib, "packed_embedding", TORCH_FN(packed_embedding_cpu));
   g_state->embedding_fallback = std::move(fallback);
   g_state->embedding_entry = reinterpret_cast<EmbeddingCallFn>(entry.get_pointer());
 }
 
 void install_moe(py::object fallback, py::capsule entry) {
-  if (std::strcmp(entry.name(), zipserv::cpu::kMoeCallCapsule) != 0)
-    throw std::invalid_argument("not the _cpu_gemm.moe_call capsule");
+  check_capsule(entry, zipserv::cpu::kMoeCallCapsule);
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_state->entry == nullptr) throw std::logic_error("install() first");
-  static torch::Library* lib = nullptr;  // (as in install(); zipserv::moe_experts is defined by then)
-  if (lib == nullptr) {
-    lib = new torch::Library(torch::Library::IMPL, "zipserv", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    lib->impl("moe_experts", TORCH_FN(moe_experts_cpu));
-  }
+  static torch::Library* lib = nullptr;  // (zipserv::moe_experts is defined by then)
+  register_once(lib, "moe_experts", TORCH_FN(moe_experts_cpu));
   g_state->moe_fallback = std::move(fallback);
   g_state->moe_entry = reinterpret_cast<MoeCallFn>(entry.get_pointer());
   g_state->moe_table = std::make_shared<const MoeTable>();
@@ -377,8 +378,7 @@ void install_moe(py::object fallback, py::capsule entry) {
 
 void remember_moe(const std::string& name, py::capsule layer, py::object held, int64_t hidden, bool on_input,
                   int64_t generation) {
-  if (std::strcmp(layer.name(), zipserv::cpu::kMoeLayerCapsule) != 0)
-    throw std::invalid_argument("not a _cpu_gemm.MoeLayer handle");
+  check_capsule(layer, zipserv::cpu::kMoeLayerCapsule);
   if (hidden < 1) throw std::invalid_argument("hidden must be positive");
   MoeEntry e{layer.get_pointer(), hidden, on_input, keep(std::move(held))};
   std::shared_ptr<const MoeTable> old;  // (released after the lock: its entries' deleters take the GIL)
