@@ -7,7 +7,7 @@ intermediate 512, 16 experts, top-4, as ``bench_vllm_e2e.py --size qwen3moe0.4b`
 * ``vllm_bf16``: ``vllm._custom_ops.cpu_fused_moe`` on weights prepacked by
   ``cpu_prepack_moe_weight`` (what vLLM's unquantized CPU MoE layer runs);
 * ``zipserv``: ``cpu_kernels.moe_run`` on a ``cpu_kernels.moe_layer`` of byte-split experts (what
-  fast mode runs on AVX512-BF16 CPUs).
+  fast mode runs on AVX512-BF16 CPUs), held in a ``PagedArena`` as the plugin holds them.
 
 ``--layers`` layers of different weights are called in turn (14 x 16 experts: ~700 MB in BF16), so
 the routed experts come from memory, as in a decode step; routing is random per layer and token.
@@ -36,6 +36,14 @@ sys.path.insert(0, ROOT)
 
 from zipserv_vllm.kernels import cpu as cpu_kernels  # noqa: E402
 from zipserv_vllm.kernels import cpu_dispatch  # noqa: E402
+from zipserv_vllm.format.cpu_layout import PackedTensor  # noqa: E402
+from zipserv_vllm.vllm_plugin.arena import PagedArena  # noqa: E402
+
+
+def _in_arena(arena, pt):
+    """``pt`` copied into ``arena`` (64 MiB pages, huge pages advised), as the plugin stores a layer."""
+    v = arena.views(arena.store(pt.arrays()))
+    return PackedTensor(tuple(pt.shape), v["tiles"], v["luts"], v["exc_start"], v["exc"])
 
 
 def main() -> int:
@@ -62,12 +70,13 @@ def main() -> int:
     h, i, e, k = args.hidden, args.inter, args.experts, args.topk
     g = torch.Generator().manual_seed(0)
     layers = []
+    arena = PagedArena("cpu")  # (the experts held as the plugin holds them: views into the arena's pages)
     print(f"building {args.layers} layers x {e} experts ({h} x {i}) ...", flush=True)
     for _ in range(args.layers):
         w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.02).bfloat16()
         w2 = (torch.randn(e, h, i, generator=g) * 0.02).bfloat16()
-        p13 = [cpu_kernels.pack(w13[x]) for x in range(e)]
-        p2 = [cpu_kernels.pack(w2[x]) for x in range(e)]
+        p13 = [_in_arena(arena, cpu_kernels.pack(w13[x])) for x in range(e)]
+        p2 = [_in_arena(arena, cpu_kernels.pack(w2[x])) for x in range(e)]
         native = cpu_kernels.moe_layer(cpu_kernels.expert_table(p13, (2 * i, h)),
                                        cpu_kernels.expert_table(p2, (h, i)), i, h)
         layers.append(dict(parts=(p13, p2), native=native, b13=vops.cpu_prepack_moe_weight(w13, "vec"),
