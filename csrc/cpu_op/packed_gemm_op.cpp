@@ -327,7 +327,8 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_weights, 
 }
 
 void check_capsule(const py::capsule& c, const char* name) {
-  if (std::strcmp(c.name(), name) != 0) throw std::invalid_argument(std::string("not the capsule ") + name);
+  if (c.name() == nullptr || std::strcmp(c.name(), name) != 0)
+    throw std::invalid_argument(std::string("not the capsule ") + name);
 }
 
 // Registers `kernel` as zipserv::`op`'s CPU kernel the first time (lib: that op's registration).
@@ -341,38 +342,46 @@ void register_once(torch::Library*& lib, const char* op, Kernel kernel) {
   }
 }
 
+// (The install functions and forget() release what they replace after unlocking g_mu, in the
+// locals declared before the lock: a Python finalizer run by that release may call back in.)
 void install(py::object fallback, py::capsule entry, std::string env_name) {
   check_capsule(entry, zipserv::cpu::kPackedCallCapsule);
+  py::object old_fallback;
+  std::shared_ptr<const MoeTable> old_moe;
   std::lock_guard<std::mutex> lock(g_mu);
   static torch::Library* lib = nullptr;
   register_once(lib, "packed_gemm", TORCH_FN(packed_gemm_cpu));
-  g_state->fallback = std::move(fallback);
+  old_fallback = std::exchange(g_state->fallback, std::move(fallback));
   g_state->entry = reinterpret_cast<PackedCallFn>(entry.get_pointer());
   g_state->env_name = std::move(env_name);
   g_state->table = std::make_shared<const Table>();
+  old_moe = std::exchange(g_state->moe_table, std::make_shared<const MoeTable>());
   ++g_state->generation;
   g_state->enabled = true;
 }
 
 void install_embedding(py::object fallback, py::capsule entry) {
   check_capsule(entry, zipserv::cpu::kEmbeddingCallCapsule);
+  py::object old_fallback;
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_state->entry == nullptr) throw std::logic_error("install() first");
   static torch::Library* lib = nullptr;  // (zipserv::packed_embedding is defined by then)
   register_once(lib, "packed_embedding", TORCH_FN(packed_embedding_cpu));
-  g_state->embedding_fallback = std::move(fallback);
+  old_fallback = std::exchange(g_state->embedding_fallback, std::move(fallback));
   g_state->embedding_entry = reinterpret_cast<EmbeddingCallFn>(entry.get_pointer());
 }
 
 void install_moe(py::object fallback, py::capsule entry) {
   check_capsule(entry, zipserv::cpu::kMoeCallCapsule);
+  py::object old_fallback;
+  std::shared_ptr<const MoeTable> old_moe;
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_state->entry == nullptr) throw std::logic_error("install() first");
   static torch::Library* lib = nullptr;  // (zipserv::moe_experts is defined by then)
   register_once(lib, "moe_experts", TORCH_FN(moe_experts_cpu));
-  g_state->moe_fallback = std::move(fallback);
+  old_fallback = std::exchange(g_state->moe_fallback, std::move(fallback));
   g_state->moe_entry = reinterpret_cast<MoeCallFn>(entry.get_pointer());
-  g_state->moe_table = std::make_shared<const MoeTable>();
+  old_moe = std::exchange(g_state->moe_table, std::make_shared<const MoeTable>());
   ++g_state->generation;
 }
 

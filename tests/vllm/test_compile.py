@@ -175,4 +175,6 @@ def test_fast_mode_compiled_moe_layers_run_in_cpp(compiled):
         rep = run["cpp_op"]
         assert rep["status"] == "C++ CPU kernel installed", rep
         assert rep["moe_layers"] and rep["moe_served"] == rep["moe_layers"], rep
-    assert b["moe_exact"]["cpp_op"]["moe_served"] == []  # exact mode runs vLLM's kernel, never this one
+    # exact mode runs vLLM's kernel, never this one (process A's exact engine is the first zipserv
+    # engine of its model there, so its names were unambiguous: a wrong registration would show)
+    assert a["moe_exact"]["cpp_op"]["moe_served"] == [] and a["moe_exact"]["cpp_op"]["moe_layers"]

@@ -163,6 +163,20 @@ def test_what_goes_to_python(registered):
         cpu_kernels.set_isa(None)
     _op(x, w, ids, name)
     assert _served(name, method, x, w, ids)
+    cpu_kernels.set_threads(1)  # a thread override likewise
+    try:
+        assert not _served(name, method, x, w, ids)
+    finally:
+        cpu_kernels.set_threads(None)
+    _op(x, w, ids, name)
+    assert _served(name, method, x, w, ids)
+    # a registration computed before a forget is dropped (the generation moved)
+    stale = cpu_kernels.moe_op_generation()
+    cpu_kernels.moe_op_forget(name)
+    cpu_kernels.moe_op_served(name, moe._moe_experts_python, method.held, False, stale)
+    assert name not in cpu_kernels._op.remembered_moe() and cpu_kernels._op is not None
+    _op(x, w, ids, name)
+    assert _served(name, method, x, w, ids)
     # any layer's parts assigned (a weight update re-encodes experts): Python again, then C++
     st = loading.LayerState.__new__(loading.LayerState)
     st.parts = []

@@ -180,7 +180,7 @@ def _install_extra(name: str, fallback) -> bool:
     """Install op ``name``'s C++ kernel with ``fallback`` (its Python implementation) unless it is;
     True when it was installed before this call."""
     global _op, _op_reason
-    if name in _op_extras:
+    if _op is not None and name in _op_extras:
         return True
     if _op is None:
         from .ops import _packed_gemm_python
@@ -195,10 +195,17 @@ def _install_extra(name: str, fallback) -> bool:
 
 
 def _op_failed(exc: Exception) -> None:
+    """Leave every op in Python after an error while handing over: the C++ kernels disabled, their
+    tables emptied (a MoE layer's entry holds its experts' tensors), the reason kept."""
     global _op, _op_reason
     if _op is not None:
-        _op.enable(False)
+        try:
+            _op.enable(False)
+            _op.forget()
+        except Exception:  # noqa: BLE001  (already failing: the reason below is the first error)
+            pass
     _op, _op_reason = None, f"disabled after an error: {type(exc).__name__}: {exc}"
+    _op_extras.clear()
 
 
 def embedding_op_served(fallback) -> None:

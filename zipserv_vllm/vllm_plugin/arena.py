@@ -23,16 +23,17 @@ Two ways to fill it:
   page tables must be resolved again (:meth:`views`).
 
 Every array starts at a multiple of ``align`` bytes (256 by default) inside
-its page, so int64 (and wider vector) views are legal. On Linux CPUs a page's
-memory is advised to be backed by transparent huge pages (``madvise``
-``MADV_HUGEPAGE`` on its 2 MiB-aligned interior, before it is written; where
-the kernel's THP setting is ``never`` nothing changes): the kernels stream
+its page, so int64 (and wider vector) views are legal. On Linux CPUs a page is
+a fresh anonymous mapping advised to be backed by transparent huge pages
+(``madvise`` ``MADV_HUGEPAGE`` before it is written; where the kernel's THP
+setting is ``never`` nothing changes): the kernels stream
 every weight once per call, and with 4 KiB pages each one costs a TLB miss
 (docs/CPU.md). This module imports no vLLM.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 from dataclasses import dataclass, field
 
@@ -47,38 +48,21 @@ def _round_up(n: int, a: int) -> int:
 
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # (Linux)
-_madvise = None
-
-
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Advise the kernel to back ``t``'s whole 2 MiB pages with transparent huge pages (CPU, Linux;
-    advisory: any failure leaves ordinary pages)."""
-    global _madvise
-    if not sys.platform.startswith("linux"):
-        return
-    start = _round_up(t.data_ptr(), _HUGE_PAGE)
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= start:
-        return
-    try:
-        if _madvise is None:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-            _madvise = fn
-        _madvise(start, end - start, _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
 
 
 def _page_memory(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``nbytes`` of uninitialised page memory on ``device`` (huge pages advised on the CPU)."""
-    t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if device.type == "cpu":
-        _advise_huge_pages(t)
-    return t
+    """``nbytes`` of uninitialised page memory on ``device``. On Linux CPUs a fresh anonymous
+    mapping advised to use transparent huge pages before anything touches it (torch's allocator
+    may hand out recycled heap memory already backed by 4 KiB pages, where the advice comes too
+    late); the tensor keeps the mapping alive. Elsewhere, and for pages under 2 MiB, torch's."""
+    if device.type == "cpu" and nbytes >= _HUGE_PAGE and sys.platform.startswith("linux"):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, AttributeError, ValueError):  # (advisory: a kernel without THP keeps small pages)
+            pass
+        return torch.frombuffer(buf, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 @dataclass(frozen=True)
