@@ -146,15 +146,19 @@ def op_status() -> str:
     return "C++ CPU kernel installed" if _op is not None else f"Python only: {_op_reason}"
 
 
+def _ensure_op(fallback) -> bool:
+    """Whether the C++ op kernel is installed: installs it (``fallback``: packed_gemm's Python
+    implementation) unless that was tried before."""
+    return _op is not None or (not _op_tried and install_op(fallback) is None)
+
+
 def op_served(m: int, k: int, fallback) -> None:
     """The op's Python implementation served a fast-mode call on an m x k byte-split weight with a
     fused kernel: hand the C++ kernel this shape's choices (installing it the first time). Never
     raises: whatever goes wrong leaves the op in Python, with the reason in op_status()."""
-    global _op, _op_reason
     try:
-        if _op is None:
-            if _op_tried or install_op(fallback) is not None:
-                return
+        if not _ensure_op(fallback):
+            return
         gen = _op.generation()
         per = cpu_dispatch.bucket_choices(m, k)
         raw = _fused_max_n_raw()
@@ -179,14 +183,12 @@ _op_extras: set[str] = set()  # the ops installed beside packed_gemm: "embedding
 def _install_extra(name: str, fallback) -> bool:
     """Install op ``name``'s C++ kernel with ``fallback`` (its Python implementation) unless it is;
     True when it was installed before this call."""
-    global _op, _op_reason
     if _op is not None and name in _op_extras:
         return True
-    if _op is None:
-        from .ops import _packed_gemm_python
+    from .ops import _packed_gemm_python
 
-        if _op_tried or install_op(_packed_gemm_python) is not None:
-            return False
+    if not _ensure_op(_packed_gemm_python):
+        return False
     capsule = getattr(_cpu_gemm, f"{name}_call", None)
     if capsule is not None:  # (None: an older _cpu_gemm build; the op stays Python)
         getattr(_op, f"install_{name}")(fallback, capsule)

@@ -547,8 +547,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
 
     def compute(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """The experts' output for ``x`` (eager; inside ``zipserv::moe_experts``)."""
-        if self.zs_config.mode == "fast" and getattr(layer.activation, "value", None) == "silu" \
-                and layer.expert_map is None:
+        if self._fast_path(layer):
             return self._compute_fast(layer, x, topk_weights, topk_ids)
         return self._compute_exact(layer, x, topk_weights, topk_ids)
 
@@ -594,17 +593,28 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         out.index_add_(0, tokens, y if layer.apply_router_weight_on_input else y * weights)
         return out.to(x.dtype)
 
+    def _fast_path(self, layer) -> bool:
+        """Whether :meth:`compute` takes the fast path (else vLLM's own kernel, exact)."""
+        return self.zs_config.mode == "fast" and getattr(layer.activation, "value", None) == "silu" \
+            and layer.expert_map is None
+
+    @staticmethod
+    def _current_native(layer, hidden: int):
+        """The layer's cached :meth:`_native_layer` holder while it is valid (no parts assigned since,
+        the same hidden size and ISA override), else None."""
+        held = layer.__dict__.get("_zs_moe_native")
+        if held is not None and held.key is not None and held.key[0] == loading.parts_epoch() \
+                and held.key[1] == hidden and held.key[2] == ops._cpu_kernels()._isa_override:
+            return held
+        return None
+
     def one_call(self, layer, x):
         """The holder of the layer's one-call kernel (:meth:`_native_layer`) when a call on ``x``
         just ran through it and it is still current, else None."""
-        if not (self.zs_config.mode == "fast" and getattr(layer.activation, "value", None) == "silu"
-                and layer.expert_map is None and x.dim() == 2 and moe_states(layer)):
+        if not (self._fast_path(layer) and x.dim() == 2 and moe_states(layer)):
             return None
-        held = layer.__dict__.get("_zs_moe_native")
-        if held is None or held.obj is None or held.key is None or held.key[0] != loading.parts_epoch() \
-                or held.key[1] != x.shape[1] or held.key[2] is not None:
-            return None
-        return held
+        held = self._current_native(layer, x.shape[1])
+        return held if held is not None and held.obj is not None else None
 
     def _native_layer(self, layer, states, n_exp: int, inter: int, hidden: int):
         """A holder of the layer's ``cpu_kernels.moe_layer`` (its experts' address tables, checked
@@ -616,12 +626,11 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         pickles of the layer get an empty one (``cpu_kernels._Held``), so they build their own."""
         # Valid while no layer's parts were assigned since (loading.parts_epoch): an O(1) check per call
         # instead of a Python walk over the 2 E parts on every call.
+        held = self._current_native(layer, hidden)
+        if held is not None:
+            return held
         epoch = loading.parts_epoch()
         cpu_kernels = ops._cpu_kernels()
-        held = layer.__dict__.get("_zs_moe_native")
-        if held is not None and held.key is not None and held.key[0] == epoch and held.key[1] == hidden \
-                and held.key[2] == cpu_kernels._isa_override:
-            return held
         native, parts = None, None
         if cpu_kernels.available() and cpu_kernels.bf16_supported() and cpu_kernels._isa_override is None \
                 and hidden % spec.TILE == 0 and inter % spec.TILE == 0:
