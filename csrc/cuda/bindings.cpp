@@ -97,6 +97,18 @@ void bind_kernels(py::module_& m) {
       "Decompress to row-major bf16 [M, K]");
 
   m.def(
+      "decompress_packed",
+      [](uintptr_t tiles, uintptr_t luts, uintptr_t exc_start, uintptr_t exc, uintptr_t out, int M, int K,
+         uintptr_t stream) {
+        PackedDecompressArgs a{ptr<const uint8_t>(tiles), ptr<const uint8_t>(luts), ptr<const int64_t>(exc_start),
+                               ptr<const int32_t>(exc), ptr<uint16_t>(out), M, K};
+        check(decompress_packed(a, stream), "decompress_packed");
+      },
+      py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"), py::arg("out"), py::arg("M"),
+      py::arg("K"), py::arg("stream"),
+      "Decompress a weight in the byte-split layout (docs/FORMAT.md appendix A) to row-major bf16 [M, K]");
+
+  m.def(
       "embedding_gather",
       [](uintptr_t ids, int ids_int64, int64_t n, uintptr_t bitmaps, uintptr_t base, uintptr_t offsets,
          uintptr_t sm, uintptr_t fb, uintptr_t out, int M, int K, int64_t rows, uintptr_t stream) {

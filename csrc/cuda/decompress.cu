@@ -49,22 +49,7 @@ __global__ void __launch_bounds__(kThreads) decompress_kernel(DecompressArgs a) 
     *reinterpret_cast<uint32_t*>(tile + out_tile_index(frag_row0(f) + lane / 4, frag_col0(f) + 2 * (lane % 4))) = v;
   }
   __syncwarp();
-  // Warp w's FTs cover tile rows 16 w .. 16 w + 15: store them, 16 bytes per lane
-  // where the row chunk is inside the matrix and aligned, element-wise at the edges.
-  const bool vec = (a.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(a.out) & 15) == 0);
-  for (int c = lane; c < kMedRows * 8; c += 32) {
-    const int r = warp * kMedRows + c / 8, c0 = (c % 8) * 8;
-    const int row = tm * kTile + r, col = tk * kTile + c0;
-    if (row >= a.M) continue;
-    const uint16_t* src = tile + out_tile_index(r, c0);
-    uint16_t* dst = a.out + static_cast<int64_t>(row) * a.K + col;
-    if (vec && col + 8 <= a.K) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8; ++e)
-        if (col + e < a.K) dst[e] = src[e];
-    }
-  }
+  store_tile_rows(tile, a.out, a.M, a.K, tm, tk, warp, lane);
 }
 
 }  // namespace

@@ -88,5 +88,26 @@ __device__ __forceinline__ void issue_values(uint8_t* st_sm, uint16_t* st_fb, co
   for (int c = lane; c < s.fb_chunks; c += 32) cp_async16(st_fb + c * 8, fb + s.fb_begin + c * 8);
 }
 
+// The decompress kernels' store: warp w's rows of a decoded tile (tile rows 16 w .. 16 w + 15,
+// staged at out_tile_index) to row-major bf16 out [M, K], 16 bytes per lane where the row chunk is
+// inside the matrix and aligned, element by element at the edges; padding is never written.
+__device__ __forceinline__ void store_tile_rows(const uint16_t* tile, uint16_t* out, int M, int K, int tm, int tk,
+                                                int warp, int lane) {
+  const bool vec = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(out) & 15) == 0);
+  for (int c = lane; c < kMedRows * 8; c += 32) {
+    const int r = warp * kMedRows + c / 8, c0 = (c % 8) * 8;
+    const int row = tm * kTile + r, col = tk * kTile + c0;
+    if (row >= M) continue;
+    const uint16_t* src = tile + out_tile_index(r, c0);
+    uint16_t* dst = out + static_cast<int64_t>(row) * K + col;
+    if (vec && col + 8 <= K) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8; ++e)
+        if (col + e < K) dst[e] = src[e];
+    }
+  }
+}
+
 }  // namespace dev
 }  // namespace zipserv

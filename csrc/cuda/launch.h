@@ -50,6 +50,16 @@ struct PackedGemmArgs {
   GemmArgs g;
 };
 
+// W (row-major bf16 [M, K]) from the byte-split layout (the arrays of PackedGemmArgs).
+struct PackedDecompressArgs {
+  const uint8_t* tiles;
+  const uint8_t* luts;
+  const int64_t* exc_start;
+  const int32_t* exc;
+  uint16_t* out;            // bf16 [M, K]
+  int M, K;
+};
+
 struct DecompressArgs {
   const uint64_t* bitmaps;
   const uint8_t* base;
@@ -86,6 +96,7 @@ int zipgemm_grouped(const GroupedGemmArgs& g, int tile_n, uintptr_t stream);
 // tile_n 8 or 16 (the decode sizes); split-K reduced as zipgemm's.
 int zipgemm_packed(const PackedGemmArgs& p, int tile_n, uintptr_t stream);
 int decompress(const DecompressArgs& a, uintptr_t stream);
+int decompress_packed(const PackedDecompressArgs& a, uintptr_t stream);
 int encode_tiles(const EncodeArgs& a, uintptr_t stream);
 int encode_scatter(const ScatterArgs& a, uintptr_t stream);
 // Sets the dynamic shared-memory attribute of every fused instance on the

@@ -25,6 +25,7 @@ namespace packed {
 int launch_nt8_1(const PackedGemmArgs& p, cudaStream_t st);
 int launch_nt8_2(const PackedGemmArgs& p, cudaStream_t st);
 int preload();
+int decompress_preload();  // decompress_packed.cu
 }  // namespace packed
 
 namespace {
@@ -109,6 +110,7 @@ int prepare_current_device() {
   }
   if (!err) err = packed::preload();
   if (!err) err = decompress_preload();
+  if (!err) err = packed::decompress_preload();
   if (!err) err = embedding_preload();
   return err;
 }

@@ -50,8 +50,12 @@ def run(mod, case: dict) -> str | None:
             y = kernels.zipgemm(mod, _enc(case), x, None, int(case["tile_n"]), int(case["split"]))
             msg = kernels.check_one_hot(y, case["w"], cols)
             return f"{name}: {msg}" if msg else None
-        if kind in ("packed", "packed_onehot"):
+        if kind in ("packed", "packed_onehot", "packed_decompress"):
             pk = SimpleNamespace(m=int(case["m"]), k=int(case["k"]), **{n: case[n] for n in kernels.PACKED})
+            if kind == "packed_decompress":  # bit for bit: the weight the layout was packed from
+                got = kernels.decompress_packed(mod, pk)
+                bad = int((got != np.asarray(case["w"], np.uint16)).sum())
+                return f"{name}: {bad} elements differ from the packed weight" if bad else None
             if kind == "packed_onehot":
                 x = kernels.one_hot_x(case["cols"].size, pk.k, case["cols"])
             else:

@@ -135,7 +135,10 @@ def coverage_cases(race_only: bool = False) -> list:
     out += [packed_case(ALL.reshape(256, 256), "packed_onehot", "byte-split, all patterns", 16, 2,
                         cols=np.arange(0, 256, 8 if race_only else 1)),
             packed_case(w, "packed", "byte-split ragged", 8, 3, x=bf16_bits(rng.standard_normal((11, 200))),
-                        bias=bf16_bits(rng.standard_normal(130) * 0.1))]
+                        bias=bf16_bits(rng.standard_normal(130) * 0.1)),
+            # its decompress kernel: all patterns, and a ragged weight (rows and columns past the tiles)
+            packed_case(ALL.reshape(256, 256), "packed_decompress", "byte-split decompress, all patterns", 0, 1),
+            packed_case(w, "packed_decompress", "byte-split decompress ragged", 0, 1)]
     return out
 
 

@@ -74,6 +74,14 @@ def zipgemm_packed(mod, pk, x: np.ndarray, bias: np.ndarray | None, tile_n: int,
     return y
 
 
+def decompress_packed(mod, pk) -> np.ndarray:
+    """W [M, K] (bf16 bits) rebuilt from the byte-split layout by its decompress kernel; elements the
+    kernel never writes stay 0xFFFF."""
+    out = np.full((pk.m, pk.k), 0xFFFF, np.uint16)
+    mod.decompress_packed(*(ptr(getattr(pk, a)) for a in PACKED), ptr(out), pk.m, pk.k, 0)
+    return out
+
+
 def zipgemm_grouped(mod, experts: list, x: np.ndarray, counts, tile_n: int) -> np.ndarray:
     """Y [rows, M] (bf16 bits) by one grouped launch: X's rows grouped by expert, counts[e] rows
     for expert e (the launch sequence kernels/cuda.py's grouped_gemm uses: an int64 [E, 5] table of

@@ -158,3 +158,15 @@ def test_packed_faults(tmp_path, what, old, new):
     mod = _faulty(tmp_path, f"packed-{what.replace(' ', '-')}", PACKED, old, new)
     todo = _packed_cases()
     _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
+
+
+def test_packed_decompress_fault(tmp_path):
+    """The decompress kernel's own store: a lane's pair written one FT row too low."""
+    from .corpus import packed_case
+    from .test_packed import with_exceptions
+
+    mod = _faulty(tmp_path, "packed-decompress-row", "cuda/decompress_packed.cu",
+                  "out_tile_index(frag_row0(f) + lane / 4,", "out_tile_index(frag_row0(f) + (lane / 4 + 1) % 8,")
+    todo = [packed_case(with_exceptions(130, 200, seed=6), "packed_decompress", "exceptions", 0, 1),
+            packed_case(ALL.reshape(256, 256), "packed_decompress", "all patterns", 0, 1)]
+    _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))

@@ -90,3 +90,37 @@ def test_bad_tile_n_is_refused():
     w = weight(np.random.default_rng(0), 64, 64)
     msg = cases.run(simt, packed_case(w, "packed_onehot", "tile_n 32", 32, 1, cols=np.arange(64)))
     assert msg is not None and "zipgemm_packed failed" in msg
+
+
+# ------------------------------------------------------------------ decompress
+# The byte-split layout's decompress kernel (csrc/cuda/decompress_packed.cu): the decoupled path and
+# exact mode of a weight held in that layout on a GPU. Bit for bit against the weight that was packed.
+def test_decompress_all_patterns():
+    _check(packed_case(ALL.reshape(256, 256), "packed_decompress", "all patterns", 0, 1))
+    _check(packed_case(ALL.reshape(512, 128), "packed_decompress", "all patterns 512x128", 0, 1))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (64, 64), (130, 452), (200, 512), (65, 129)])
+def test_decompress_ragged_shapes_with_exceptions(shape):
+    m, k = shape
+    w = with_exceptions(max(m, 8), max(k, 8), seed=m * k)[:m, :k]
+    _check(packed_case(np.ascontiguousarray(w), "packed_decompress", f"exceptions {m}x{k}", 0, 1))
+
+
+def test_decompress_gaussian_and_all_schedules():
+    w = weight(np.random.default_rng(5), 136, 200)
+    for schedule in ("forward", "reverse", "random"):
+        simt.configure(schedule, 11)
+        _check(packed_case(w, "packed_decompress", f"gaussian ({schedule})", 0, 1))
+        _check(packed_case(with_exceptions(128, 256, seed=8), "packed_decompress", f"exceptions ({schedule})", 0, 1))
+
+
+def test_decompress_unaligned_output_is_written_element_by_element():
+    from .kernels import PACKED, ptr
+
+    w = with_exceptions(64, 72, seed=2)  # K % 8 == 0: the vector store unless the output is misaligned
+    case = packed_case(w, "packed_decompress", "unaligned out", 0, 1)
+    buf = np.full(64 * 72 + 8, 0xFFFF, np.uint16)
+    out = buf[1:1 + 64 * 72].reshape(64, 72)
+    simt.decompress_packed(*(ptr(case[a]) for a in PACKED), ptr(out), 64, 72, 0)
+    assert np.array_equal(out, w) and buf[0] == 0xFFFF and buf[-7:].tolist() == [0xFFFF] * 7
