@@ -9,7 +9,11 @@ times, in the same run and process:
 * ``cublas``    : F.linear on the BF16 weight;
 * ``dispatch``  : zipserv_vllm.linear(mode="fast"), i.e. what serving gets;
 * ``packed``    : at N <= 16, the byte-split-layout kernel (docs/FORMAT.md
-                  appendix A, ~12.05 bits per weight; not yet used by serving).
+                  appendix A, ~12.05 bits per weight), at the fused kernel's split;
+* ``packed_decoupled``: that layout's decompress kernel + F.linear (cuBLAS);
+* ``packed_dispatch``: zipserv_vllm.linear on the byte-split weight, what a
+                  GPU engine holding that layout serves (ZIPSERV_GPU_LAYOUT=bytesplit
+                  or prefer: speed; the dispatcher's plan for the layout).
 
 Several copies of every weight are rotated (enough to exceed 4x the L2 cache,
 at most --max-copies) so no method is flattered by a warm L2. Each number is
@@ -251,7 +255,7 @@ def main(argv=None) -> int:
             copies = copies_for(m * k * 2, l2, factor=4, max_copies=args.max_copies)
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             cts = [ct] + [clone_ct(ct) for _ in range(copies - 1)]
-            pts = packed_copies(w, copies, dev) if min(ns) <= 16 and not args.no_packed else []
+            pts = [] if args.no_packed else packed_copies(w, copies, dev)
             for n in ns:
                 x = torch.randn(n, k, device=dev).to(torch.bfloat16)
                 gpu = dispatch.gpu_model(name, cc, sms)
@@ -268,6 +272,9 @@ def main(argv=None) -> int:
                 if pts and n <= 16:  # the byte-split-layout kernel (tile_n 8 / 16), at the fused kernel's split
                     methods["packed"] = [lambda p=p_: cuda_ops.packed_gemm(x, p, None, 8 if n <= 8 else 16, fused_split)
                                          for p_ in pts]
+                if pts:
+                    methods["packed_decoupled"] = [lambda p=p_: cuda_ops.packed_decoupled_gemm(x, p, None) for p_ in pts]
+                    methods["packed_dispatch"] = [lambda p=p_: zipserv_vllm.linear(x, p) for p_ in pts]
                 if n <= args.fused_max_n:
                     methods["fused"] = [lambda c=c_: cuda_ops.fused_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k,
                                                                           None, tn, fused_split) for c_ in cts]
@@ -283,7 +290,7 @@ def main(argv=None) -> int:
                     "seconds": t,
                     "packed_weight_bytes": packed_bytes(pts[0]) if pts else None,
                     "weight_GBps": {"cublas": m * k * 2 / t["cublas"] / 1e9,
-                                    **{key: (packed_bytes(pts[0]) if key == "packed" else ct.nbytes) / t[key] / 1e9
+                                    **{key: (packed_bytes(pts[0]) if key.startswith("packed") else ct.nbytes) / t[key] / 1e9
                                        for key in t if key != "cublas"}},
                     "speedup_vs_cublas": {key: t["cublas"] / t[key] for key in t if key != "cublas"},
                 }
@@ -293,7 +300,8 @@ def main(argv=None) -> int:
                       f"fused {t.get('fused', float('nan')) * 1e6:9.1f} us ({sp.get('fused', float('nan')):5.2f}x)  "
                       f"decoupled {t['decoupled'] * 1e6:9.1f} us ({sp['decoupled']:5.2f}x)  "
                       f"dispatch[{plan.path}] {sp['dispatch']:5.2f}x"
-                      + (f"  packed {t['packed'] * 1e6:9.1f} us ({sp['packed']:5.2f}x)" if "packed" in t else ""),
+                      + (f"  packed {t['packed'] * 1e6:9.1f} us ({sp['packed']:5.2f}x)" if "packed" in t else "")
+                      + (f"  packed_dispatch {sp['packed_dispatch']:5.2f}x" if "packed_dispatch" in t else ""),
                       flush=True)
                 write([], complete=False)
             del ws, cts, w, ct, pts

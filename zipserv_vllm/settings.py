@@ -75,6 +75,7 @@ MODES = ("fast", "exact")
 VERIFY_MODES = ("tiles", "full", "none")
 PREFER = ("memory", "speed")
 CPU_LAYOUTS = ("bytesplit", "v1")  # the first is the default
+GPU_LAYOUTS = ("v1", "bytesplit")
 
 
 def threads() -> int | None:
@@ -91,6 +92,14 @@ def cpu_layout() -> str:
     return choice("ZIPSERV_CPU_LAYOUT", CPU_LAYOUTS)
 
 
+def gpu_layout(prefer: str = "memory") -> str:
+    """``ZIPSERV_GPU_LAYOUT``: the in-memory layout of a GPU engine's linear layers in fast mode:
+    ``v1`` (TCA-TBE, the smallest) or ``bytesplit`` (docs/FORMAT.md appendix A: ~12.05 bits per
+    weight, a decode of a few integer operations per pair). Unset: ``bytesplit`` under
+    ``prefer: speed``, ``v1`` otherwise."""
+    return choice("ZIPSERV_GPU_LAYOUT", GPU_LAYOUTS, "bytesplit" if prefer == "speed" else "v1")
+
+
 def cpu_fused_max_n(default: int) -> int:
     return integer("ZIPSERV_CPU_FUSED_MAX_N", default, minimum=0)
 
@@ -105,6 +114,7 @@ def check_all() -> None:
     threads()
     arena_page_mb(1.0)
     cpu_layout()
+    gpu_layout()
     cpu_fused_max_n(0)
     cpu_op()
     choice("ZIPSERV_MODE", MODES)

@@ -352,3 +352,52 @@ def test_grouped_fused_under_cuda_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(y, cuda_ops.grouped_gemm(x, cts, rows, table=table, path="fused"))
     _assert_gemm_close(y, x, ws[1])
+
+
+# ------------------------------------------------- the byte-split layout on the GPU
+# What a GPU engine holding the byte-split layout runs (ZIPSERV_GPU_LAYOUT=bytesplit or
+# prefer: speed): zipserv::packed_decompress and zipserv::packed_gemm on CUDA tensors.
+def _packed(w):
+    return cuda_ops.pack_cuda(w)
+
+
+def test_packed_decompress_bit_exact_all_patterns_and_shapes():
+    allp = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    for w in (allp.to(DEV), _gauss(1, 1), _gauss(100, 130), _gauss(129, 257), _gauss(4096, 4096)):
+        pt = _packed(w)
+        got = torch.ops.zipserv.packed_decompress(pt.tiles, pt.luts, pt.exc_start, pt.exc, *pt.shape)
+        assert got.is_cuda and torch.equal(got.view(torch.int16), w.view(torch.int16)), tuple(w.shape)
+
+
+@pytest.mark.parametrize("shape", [(100, 130), LLAMA3_8B["o"], LLAMA3_8B["qkv"]])
+@pytest.mark.parametrize("n", [1, 8, 9, 16, 17, 64, 512])
+def test_packed_linear_every_path(shape, n):
+    m, k = shape
+    w = _gauss(m, k, seed=m + n)
+    pt = _packed(w)
+    x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+    bias = (torch.randn(m, device=DEV) * 0.1).to(torch.bfloat16)
+    _assert_gemm_close(zipserv_vllm.linear(x, pt, bias), x, w, bias)  # the dispatcher's plan
+    exact = zipserv_vllm.linear(x, pt, bias, mode="exact")
+    assert torch.equal(exact.view(torch.int16), F.linear(x, w, bias).view(torch.int16))
+    _assert_gemm_close(cuda_ops.packed_decoupled_gemm(x, pt, bias), x, w, bias)
+    if n <= 16:
+        for split in (1, 3):
+            _assert_gemm_close(cuda_ops.packed_gemm(x, pt, bias, dispatch.packed_tile_n(n), split), x, w, bias)
+
+
+def test_packed_linear_under_cuda_graph_capture():
+    m, k = LLAMA3_8B["o"]
+    w = _gauss(m, k, seed=5)
+    pt = _packed(w)
+    for n in (1, 16, 512):
+        x = torch.randn(n, k, device=DEV).to(torch.bfloat16)
+        eager = zipserv_vllm.linear(x, pt)
+        g, out = _capture(lambda: zipserv_vllm.linear(x, pt))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+        x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
+        g.replay()
+        torch.cuda.synchronize()
+        _assert_gemm_close(out, x, w)

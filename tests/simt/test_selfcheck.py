@@ -67,16 +67,25 @@ class SimtOps:
 
     PACKED_TILE_NS = (8, 16)
 
-    def packed_gemm(self, x, pt, bias, tile_n, split):
-        name = f"packed tile_n={tile_n} split={split}"
+    def _packed(self, name, pt):
         self.calls.append(name)
         luts = np.ascontiguousarray(pt.luts.numpy()).copy()  # a fault must not touch the shared table
         if name == self.fault:
             luts.reshape(-1)[5] ^= 0x01  # one table entry of the first tile: one exponent bit
-        pk = type("P", (), dict(m=pt.shape[0], k=pt.shape[1], tiles=np.ascontiguousarray(pt.tiles.numpy()), luts=luts,
-                                exc_start=np.ascontiguousarray(pt.exc_start.numpy()),
-                                exc=np.ascontiguousarray(pt.exc.numpy())))
+        return type("P", (), dict(m=pt.shape[0], k=pt.shape[1], tiles=np.ascontiguousarray(pt.tiles.numpy()),
+                                  luts=luts, exc_start=np.ascontiguousarray(pt.exc_start.numpy()),
+                                  exc=np.ascontiguousarray(pt.exc.numpy())))
+
+    def packed_gemm(self, x, pt, bias, tile_n, split):
+        pk = self._packed(f"packed tile_n={tile_n} split={split}", pt)
         return _bf16(kernels.zipgemm_packed(simt, pk, _bits(x), None, tile_n, split))
+
+    def packed_decompress_cuda(self, tiles, luts, exc_start, exc, m, k):
+        pt = type("T", (), dict(shape=(m, k), tiles=tiles, luts=luts, exc_start=exc_start, exc=exc))
+        return _bf16(kernels.decompress_packed(simt, self._packed("packed decompress", pt)))
+
+    def packed_decoupled_gemm(self, x, pt, bias):
+        return F.linear(x, _bf16(kernels.decompress_packed(simt, self._packed("packed decoupled", pt))))
 
     def grouped_gemm(self, x, experts, expert_rows, path="auto", tile_n=None):
         name = f"grouped {path}" + (f" tile_n={tile_n}" if tile_n else "")
@@ -101,7 +110,8 @@ def test_every_instance_passes_on_the_kernels_own_code():
     want = {"decompress", "decoupled", "grouped decoupled"} | {
         f"fused tile_n={tn} split={s}" for tn in dispatch.TILE_NS for s in selfcheck.SPLITS} | {
         f"grouped fused tile_n={tn}" for tn in dispatch.TILE_NS} | {
-        f"packed tile_n={tn} split={s}" for tn in (8, 16) for s in selfcheck.SPLITS}
+        f"packed tile_n={tn} split={s}" for tn in (8, 16) for s in selfcheck.SPLITS} | {
+        "packed decompress", "packed decoupled"}
     assert set(ops.calls) == want  # every instance the dispatcher can pick was run
 
 
@@ -116,8 +126,18 @@ def test_a_wrong_byte_split_kernel_is_reported_but_does_not_change_the_mode():
     fails = selfcheck.run(SimtOps("packed tile_n=16 split=3"), "cpu", M, K, n_random=5)
     assert [f.split(":")[0] for f in fails] == ["packed tile_n=16 split=3 (general X)",
                                                  "packed tile_n=16 split=3 (aligned X)"]
-    mode, line = selfcheck.engine_mode("fast", ["cuda:0"], lambda d: fails)
-    assert mode == "fast" and "not used for serving" in line and "serving is unaffected" in line
+    mode, line, layout = selfcheck.engine_mode("fast", ["cuda:0"], lambda d: fails)
+    assert (mode, layout) == ("fast", "v1") and "not used for serving" in line and "serving is unaffected" in line
+    # an engine about to hold the byte-split layout keeps v1 instead (and stays in fast mode)
+    mode, line, layout = selfcheck.engine_mode("fast", ["cuda:0"], lambda d: fails, layout="bytesplit")
+    assert (mode, layout) == ("fast", "v1") and "stay in the TCA-TBE v1 layout" in line and "1 more" in line
+
+
+@pytest.mark.parametrize("fault", ["packed decompress", "packed decoupled"])
+def test_a_wrong_byte_split_decompress_names_itself(fault):
+    fails = selfcheck.run(SimtOps(fault), "cpu", M, K, n_random=5)
+    assert [f.split(" (")[0] for f in fails] == [fault, fault]  # general X and aligned X
+    assert selfcheck.engine_mode("fast", ["cuda:0"], lambda d: fails, layout="bytesplit")[2] == "v1"
 
 
 def test_a_wrong_decompress_is_reported_alone():
@@ -147,11 +167,12 @@ def test_engine_mode():
     def fails(dev):
         return {"cuda:0": [], "cuda:1": ["fused tile_n=16 split=3: wrong outputs", "decoupled: wrong outputs"]}[dev]
 
-    assert selfcheck.engine_mode("fast", ["cuda:0"], fails) == ("fast", None)
-    mode, line = selfcheck.engine_mode("fast", ["cuda:0", "cuda:1"], fails)
-    assert mode == "exact" and "cuda:1" in line and "tile_n=16 split=3" in line and "1 more" in line
+    assert selfcheck.engine_mode("fast", ["cuda:0"], fails) == ("fast", None, "v1")
+    assert selfcheck.engine_mode("fast", ["cuda:0"], fails, layout="bytesplit") == ("fast", None, "bytesplit")
+    mode, line, layout = selfcheck.engine_mode("fast", ["cuda:0", "cuda:1"], fails, layout="bytesplit")
+    assert (mode, layout) == ("exact", "v1") and "cuda:1" in line and "tile_n=16 split=3" in line and "1 more" in line
     assert selfcheck.engine_mode("exact", ["cuda:1"], lambda d: pytest.fail("exact mode runs no check")) == (
-        "exact", None)
+        "exact", None, "v1")
     with pytest.raises(selfcheck.DecodeError, match="decompress kernel failed"):
         selfcheck.engine_mode("fast", ["cuda:0"], lambda d: ["decompress (200 x 520): differs"])
 

@@ -132,8 +132,8 @@ def test_plan_refuses_unaligned():
         TilePlan.cat([TilePlan.select(ct, 0, 128, 72), TilePlan.select(ct, 0, 0, 64)])
 
 
-def test_repack_cpu_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
-    """CPU fast mode's repack (loading.repack_cpu): every layer ends up in the byte-split
+def test_repack_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
+    """CPU fast mode's repack (loading.repack): every layer ends up in the byte-split
     layout, bit for bit, and each v1 page is freed as soon as no layer left needs it."""
     from zipserv_vllm.kernels import cpu as cpu_kernels
 
@@ -160,16 +160,16 @@ def test_repack_cpu_releases_each_v1_page_once_its_layers_are_repacked(monkeypat
     real_release = old.release
     monkeypatch.setattr(old, "release", lambda i: (released.append((i, sum(s.arena is new for s in states))),
                                                     real_release(i)))
-    assert loading.repack_cpu(states, old, new) == 6
+    assert loading.repack(states, old, new) == 6
     assert old.num_pages == 0 and len(released) == pages_before
     assert released[0][1] < 6  # the first page went before the last layer was repacked
     for w, st in zip(weights, states):
         assert st.arena is new and all(isinstance(p, PackedTensor) for p in st.parts)
         assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
-    assert loading.repack_cpu(states, new, PagedArena()) == 0  # already packed: nothing to do
+    assert loading.repack(states, new, PagedArena()) == 0  # already packed: nothing to do
 
 
-def test_repack_cpu_moves_layers_already_packed_beside_v1_ones():
+def test_repack_moves_layers_already_packed_beside_v1_ones():
     """A pre-compressed checkpoint's v1 layers and MoE experts packed at load share one arena: the
     repack retires that arena whole, moving the packed layers unchanged (no page left untracked)."""
     from zipserv_vllm.kernels import cpu as cpu_kernels
@@ -192,7 +192,7 @@ def test_repack_cpu_moves_layers_already_packed_beside_v1_ones():
             st.bind()
         weights.append(w)
         states.append(st)
-    assert loading.repack_cpu(states, old, new) == 2  # the two v1 layers were repacked
+    assert loading.repack(states, old, new) == 2  # the two v1 layers were repacked
     assert old.num_pages == 0
     for w, st in zip(weights, states):
         assert st.arena is new and isinstance(st.parts[0], PackedTensor)

@@ -62,13 +62,15 @@ def buckets(max_n: int) -> list[int]:
 def plan_key(plan: Plan | str) -> str:
     if isinstance(plan, str):  # the CPU dispatcher's candidates are named by strings (kernels/cpu_dispatch.py)
         return plan
-    return "decoupled" if plan.path == "decoupled" else f"fused/split{plan.split}"
+    return plan.path if plan.path in ("decoupled", "packed_decoupled") else f"{plan.path}/split{plan.split}"
 
 
 def plan_from_key(key: str, n: int) -> Plan:
-    if key == "decoupled":
-        return Plan("decoupled")
-    return Plan("fused", dispatch.tile_n_for(n), int(key.split("split", 1)[1]))
+    if key in ("decoupled", "packed_decoupled"):
+        return Plan(key)
+    path, split = key.split("/split", 1)
+    tile_n = dispatch.packed_tile_n(n) if path == "packed" else dispatch.tile_n_for(n)
+    return Plan(path, tile_n, int(split))
 
 
 @dataclass
@@ -170,12 +172,13 @@ def injected_time_fn(path: str | os.PathLike) -> Callable[[Plan | str, int, int,
     return fn
 
 
-def cuda_time_fn(device, iters: int = 10, reps: int = 3, max_copies: int = 4
+def cuda_time_fn(device, iters: int = 10, reps: int = 3, max_copies: int = 4, layout: str = "v1"
                  ) -> Callable[[Plan | str, int, int, int], float]:  # pragma: no cover - GPU
     """Real timings on ``device`` as serving runs them: random weights of each shape in enough copies
     to exceed twice the L2, every plan captured in a CUDA graph and replayed (gpu_timing.time_calls),
     the median of ``reps``. ``release()`` frees the weights (the Tuner calls it after measuring, so
-    the scratch does not stay out of the KV cache for the engine's life)."""
+    the scratch does not stay out of the KV cache for the engine's life). ``layout`` "bytesplit":
+    the weights are also held in the byte-split layout, for the "packed" plans."""
     import torch
     import torch.nn.functional as F
 
@@ -188,14 +191,22 @@ def cuda_time_fn(device, iters: int = 10, reps: int = 3, max_copies: int = 4
     def fn(plan, n, m, k):
         if (m, k) not in weights:
             w = (torch.randn(m, k, device=device) * 0.02).to(torch.bfloat16)
-            ct = cuda.compress_tensor_cuda(w)
             copies = copies_for(m * k * 2, l2, max_copies=max_copies)
-            weights[(m, k)] = ([w] + [w.clone() for _ in range(copies - 1)],
-                               [ct] + [clone_compressed(ct) for _ in range(copies - 1)])
+            if layout == "bytesplit":
+                ct = cuda.pack_cuda(w)
+                cts = [ct] + [cuda.clone_packed(ct) for _ in range(copies - 1)]
+            else:
+                ct = cuda.compress_tensor_cuda(w)
+                cts = [ct] + [clone_compressed(ct) for _ in range(copies - 1)]
+            weights[(m, k)] = ([w] + [w.clone() for _ in range(copies - 1)], cts)
         ws, cts = weights[(m, k)]
         x = torch.randn(n, k, device=device).to(torch.bfloat16)
         if plan == "bf16":
             fns = [lambda w=w: F.linear(x, w) for w in ws]
+        elif plan.path == "packed":
+            fns = [lambda c=c: cuda.packed_gemm(x, c, None, plan.tile_n, plan.split) for c in cts]
+        elif plan.path == "packed_decoupled":
+            fns = [lambda c=c: cuda.packed_decoupled_gemm(x, c, None) for c in cts]
         elif plan.path == "decoupled":
             fns = [lambda c=c: cuda.decoupled_gemm(x, c.bitmaps, c.base, c.offsets, c.sm, c.fb, m, k, None)
                    for c in cts]
@@ -257,10 +268,11 @@ class Tuner:
 
 
 # --------------------------------------------------------------------- cache
-def cache_file(gpu_name: str, driver: str, version: str) -> Path:
+def cache_file(gpu_name: str, driver: str, version: str, layout: str = "v1") -> Path:
     from ..cache import cache_dir
 
-    key = dispatch.table_key(f"{gpu_name}-driver-{driver}-zipserv-{version}")
+    suffix = "" if layout == "v1" else f"-{layout}"  # (a layout's plans time that layout's kernels)
+    key = dispatch.table_key(f"{gpu_name}-driver-{driver}-zipserv-{version}{suffix}")
     return cache_dir() / "dispatch" / f"{key}.json"
 
 

@@ -14,6 +14,11 @@ and the bookkeeping.
   shape, the fused ZipGEMM kernel (with split-K when M alone cannot fill the
   GPU) or the decoupled path (decompress into a per-device workspace, then
   ``torch.matmul`` / cuBLAS).
+* a weight in the byte-split layout (``PackedTensor``, docs/FORMAT.md
+  appendix A; a GPU engine holds it with ``ZIPSERV_GPU_LAYOUT=bytesplit`` or
+  ``prefer: speed``): ``zipserv::packed_gemm`` / ``::packed_decompress``, the
+  byte-split kernel at N <= 16 or its decompress kernel + cuBLAS
+  (``dispatch.choose(..., layout="bytesplit")``).
 * mixtures of experts: :func:`grouped_gemm`, one launch of the grouped fused
   kernel over the experts a batch routes to (rows grouped per expert), or the
   decoupled path per expert for large token counts. Not yet called by the vLLM
@@ -129,10 +134,10 @@ def driver_version() -> str:
         return f"cuda-{torch.version.cuda}"
 
 
-def plan(n: int, m: int, k: int, device) -> dispatch.Plan:
-    """The dispatcher's choice for this call on this device."""
+def plan(n: int, m: int, k: int, device, layout: str = "v1") -> dispatch.Plan:
+    """The dispatcher's choice for this call on this device, for a weight held in ``layout``."""
     name, cc, sms = device_info(device)
-    return dispatch.choose(n, m, k, sms, dispatch.load_table(name, cc), dispatch.gpu_model(name, cc, sms))
+    return dispatch.choose(n, m, k, sms, dispatch.load_table(name, cc), dispatch.gpu_model(name, cc, sms), layout)
 
 
 # ------------------------------------------------------------- workspaces
@@ -265,29 +270,36 @@ def _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split):
     return y
 
 
-PACKED_TILE_NS = (8, 16)  # the byte-split-layout kernel's instances (decode batch sizes)
+PACKED_TILE_NS = dispatch.PACKED_TILE_NS  # the byte-split-layout kernel's instances (decode batch sizes)
+_PACKED_ARRAYS = ("tiles", "luts", "exc_start", "exc")
 
 
-def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Tensor:
-    """Y[N, M] for x2 [N, K] by the byte-split-layout kernel (docs/FORMAT.md appendix A, the CPU fast
-    path's layout; csrc/cuda/zipgemm_packed.cuh): 12.05 bits per weight instead of v1's ~11.3, for a
-    decode of 0.28 warp instructions per weight instead of 1.41 (benchmarks/sass_budget.py). ``pt`` is
-    a PackedTensor on x2's device, validated on the host at its first call (refused during capture).
-    Not yet used by the plugin's dispatcher: it has not run on a GPU."""
-    _need()
-    m, k = pt.shape
-    if tile_n not in PACKED_TILE_NS:
-        raise ValueError(f"zipserv CUDA: the byte-split kernel has tile_n {PACKED_TILE_NS}, got {tile_n}")
-    if x2.dim() != 2 or x2.shape[1] != k or x2.dtype != torch.bfloat16 or not x2.is_contiguous():
-        raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [N, {k}], got {x2.dtype} {list(x2.shape)}")
-    arrays = (pt.tiles, pt.luts, pt.exc_start, pt.exc)
-    for name, t in zip(("tiles", "luts", "exc_start", "exc"), arrays):
-        if t.device != x2.device or not t.is_contiguous():
-            raise ValueError(f"zipserv CUDA: {name} must be contiguous on {x2.device}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,) or bias.device != x2.device
-                             or not bias.is_contiguous()):
-        raise ValueError(f"zipserv CUDA: bias must be a contiguous bfloat16 [{m}] on {x2.device}")
-    key = tuple((t._version, t.data_ptr(), t.numel()) for t in arrays) + (m, k)
+def pack_cuda(w: torch.Tensor):
+    """A PackedTensor of the bf16 weight ``w`` on ``w``'s device: packed on the CPU (the CPU
+    extension's packer, else the layout's executable spec), then copied over."""
+    from ..format.cpu_layout import PackedTensor, reference_pack
+    from . import cpu as cpu_kernels
+
+    host = w.detach().to("cpu")
+    pt = cpu_kernels.pack(host) if cpu_kernels.available() else reference_pack(host)
+    return PackedTensor(pt.shape, *(getattr(pt, a).contiguous().to(w.device) for a in _PACKED_ARRAYS))
+
+
+def clone_packed(pt):
+    """A copy of a PackedTensor in fresh memory (the tuner's weight copies past the L2)."""
+    from ..format.cpu_layout import PackedTensor
+
+    return PackedTensor(pt.shape, *(getattr(pt, a).clone() for a in _PACKED_ARRAYS))
+
+
+def _check_packed(pt, device) -> None:
+    """The four arrays contiguous on ``device``, validated on the host once per weight (refused
+    during capture: the validation reads them back)."""
+    arrays = tuple(getattr(pt, a) for a in _PACKED_ARRAYS)
+    for name, t in zip(_PACKED_ARRAYS, arrays):
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"zipserv CUDA: {name} must be contiguous on {device}")
+    key = tuple((t._version, t.data_ptr(), t.numel()) for t in arrays) + tuple(pt.shape)
     if getattr(pt.exc_start, _VALIDATED_ATTR, None) != key:
         if _capturing():
             raise RuntimeError("zipserv CUDA: this packed weight was not validated before CUDA-graph capture; "
@@ -299,6 +311,33 @@ def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Te
         except FormatError as exc:
             raise ValueError(str(exc)) from None
         setattr(pt.exc_start, _VALIDATED_ATTR, key)
+
+
+def validate_packed(pt) -> None:
+    """Validate a packed weight's arrays once, on the host, before any kernel reads them (the vLLM
+    plugin does it while loading, so that a captured call never needs to)."""
+    _check_packed(pt, pt.device)
+
+
+def _check_bias(bias, m: int, device) -> None:
+    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (m,) or bias.device != device
+                             or not bias.is_contiguous()):
+        raise ValueError(f"zipserv CUDA: bias must be a contiguous bfloat16 [{m}] on {device}")
+
+
+def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Tensor:
+    """Y[N, M] for x2 [N, K] by the byte-split-layout kernel (docs/FORMAT.md appendix A, the CPU fast
+    path's layout; csrc/cuda/zipgemm_packed.cuh): 12.05 bits per weight instead of v1's ~11.3, for a
+    decode of 0.28 warp instructions per weight instead of 1.41 (benchmarks/sass_budget.py). ``pt`` is
+    a PackedTensor on x2's device, validated on the host at its first call (refused during capture)."""
+    _need()
+    m, k = pt.shape
+    if tile_n not in PACKED_TILE_NS:
+        raise ValueError(f"zipserv CUDA: the byte-split kernel has tile_n {PACKED_TILE_NS}, got {tile_n}")
+    if x2.dim() != 2 or x2.shape[1] != k or x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+        raise ValueError(f"zipserv CUDA: x must be a contiguous bfloat16 [N, {k}], got {x2.dtype} {list(x2.shape)}")
+    _check_packed(pt, x2.device)
+    _check_bias(bias, m, x2.device)
     with torch.cuda.device(x2.device):
         prepare(x2.device)
         n = x2.shape[0]
@@ -314,6 +353,66 @@ def packed_gemm(x2: torch.Tensor, pt, bias, tile_n: int, split: int) -> torch.Te
         if ws is not None:
             ws.record_stream(torch.cuda.current_stream(x2.device))
         return y
+
+
+def _packed_decompress_into(out: torch.Tensor, pt) -> torch.Tensor:
+    m, k = pt.shape
+    _cuda.decompress_packed(_ptr16(pt.tiles, "tiles"), _ptr16(pt.luts, "luts"), pt.exc_start.data_ptr(),
+                            pt.exc.data_ptr(), out.data_ptr(), m, k, _stream(out.device))
+    return out
+
+
+def packed_decompress_cuda(tiles, luts, exc_start, exc, m: int, k: int) -> torch.Tensor:
+    """W (bf16 [M, K]) from the byte-split layout by its decompress kernel (csrc/cuda/decompress_packed.cu):
+    ``zipserv::packed_decompress`` on CUDA tensors. Bit for bit."""
+    from ..format.cpu_layout import PackedTensor
+
+    _need()
+    pt = PackedTensor((m, k), tiles, luts, exc_start, exc)
+    _check_packed(pt, tiles.device)
+    with torch.cuda.device(tiles.device):
+        prepare(tiles.device)
+        out = torch.empty((m, k), dtype=torch.bfloat16, device=tiles.device)
+        return _packed_decompress_into(out, pt)
+
+
+def packed_decoupled_gemm(x2: torch.Tensor, pt, bias) -> torch.Tensor:
+    """The byte-split layout's large-N path: decompress into a per-call BF16 copy, then cuBLAS."""
+    _need()
+    m, k = pt.shape
+    _check_packed(pt, x2.device)
+    _check_bias(bias, m, x2.device)
+    with torch.cuda.device(x2.device):
+        prepare(x2.device)
+        w = _scratch(x2.device, m * k, torch.bfloat16).view(m, k)
+        return F.linear(x2, _packed_decompress_into(w, pt), bias)
+
+
+def packed_gemm_cuda(x, tiles, luts, exc_start, exc, m: int, k: int, bias, mode: str) -> torch.Tensor:
+    """``zipserv::packed_gemm`` on CUDA tensors: exact mode decodes (packed decompress kernel) and runs
+    cuBLAS; fast mode takes the dispatcher's plan for the byte-split layout (its fused kernel at
+    tile_n 8 / 16 with split-K, or the decoupled path)."""
+    from ..format.cpu_layout import PackedTensor
+
+    _need()
+    if mode not in ops.MODES:
+        raise ValueError(f"mode must be one of {ops.MODES}, got {mode!r}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    pt = PackedTensor((m, k), tiles, luts, exc_start, exc)
+    with torch.cuda.device(x.device):
+        if mode == "exact":
+            return F.linear(x, packed_decompress_cuda(tiles, luts, exc_start, exc, m, k), bias)
+        x2 = x.reshape(-1, k).contiguous()
+        n = x2.shape[0]
+        if n == 0:
+            return x.new_empty((*x.shape[:-1], m))
+        p = plan(n, m, k, x.device, layout="bytesplit")
+        if p.path == "packed":
+            y = packed_gemm(x2, pt, bias, p.tile_n, p.split)
+        else:
+            y = packed_decoupled_gemm(x2, pt, bias)
+        return y.view(*x.shape[:-1], m)
 
 
 def decoupled_gemm(x2: torch.Tensor, bitmaps, base, offsets, sm, fb, m: int, k: int, bias) -> torch.Tensor:
@@ -527,6 +626,8 @@ def _register() -> bool:
         return False
     ops.gemm.register_kernel("cuda")(gemm_cuda)
     ops.decompress.register_kernel("cuda")(decompress_cuda)
+    ops.packed_decompress.register_kernel("cuda")(packed_decompress_cuda)
+    ops.register_lean_kernel("packed_gemm", "CUDA", packed_gemm_cuda)
     embedding.embedding.register_kernel("cuda")(embedding_cuda)
     return True
 

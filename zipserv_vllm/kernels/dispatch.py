@@ -64,8 +64,14 @@ from pathlib import Path
 
 TILE = 64
 TILE_NS = (8, 16, 32, 64, 128)  # columns per block of the fused kernel instances
+PACKED_TILE_NS = (8, 16)  # the byte-split-layout kernel's instances (decode batch sizes)
 LAUNCH_S = 2e-6
 BITS_PER_WEIGHT = 11.3
+PACKED_BITS_PER_WEIGHT = 12.05  # the byte-split layout on trained weights (docs/FORMAT.md appendix A)
+# In-memory layouts of a GPU weight: TCA-TBE v1 (paths "fused", "decoupled") or the byte-split
+# layout (paths "packed": its fused kernel, "packed_decoupled": its decompress kernel + cuBLAS).
+LAYOUTS = ("v1", "bytesplit")
+PATHS = {"v1": ("fused", "decoupled"), "bytesplit": ("packed", "packed_decoupled")}
 
 BUILTIN = {
     "gpu": "unknown",
@@ -81,17 +87,22 @@ TABLE_DIR_ENV = "ZIPSERV_DISPATCH_DIR"
 
 @dataclass(frozen=True)
 class Plan:
-    """``path`` "fused" (tile_n columns per block, K split in ``split`` parts) or "decoupled"."""
+    """``path`` "fused" (tile_n columns per block, K split in ``split`` parts) or "decoupled" for a
+    TCA-TBE v1 weight; "packed" (the byte-split kernel, tile_n 8 or 16) or "packed_decoupled" for a
+    weight in the byte-split layout."""
 
     path: str
     tile_n: int = 0
     split: int = 1
 
     def __post_init__(self):
-        if self.path not in ("fused", "decoupled"):
-            raise ValueError(f"path must be 'fused' or 'decoupled', got {self.path!r}")
+        paths = PATHS["v1"] + PATHS["bytesplit"]
+        if self.path not in paths:
+            raise ValueError(f"path must be one of {paths}, got {self.path!r}")
         if self.path == "fused" and self.tile_n not in TILE_NS:
             raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if self.path == "packed" and self.tile_n not in PACKED_TILE_NS:
+            raise ValueError(f"tile_n must be one of {PACKED_TILE_NS}, got {self.tile_n}")
         if self.split < 1:
             raise ValueError(f"split must be >= 1, got {self.split}")
 
@@ -166,21 +177,35 @@ def sass_budget() -> dict:
     return {}
 
 
-def decode_rate(arch: str, tile_n: int) -> float:
+def decode_rate(arch: str, tile_n: int, kernel: str = "fused_kernel") -> float:
     """Weights per SM-cycle the fused instance ``tile_n`` decodes on ``sm_<arch>``: the issue bound
     of its hot loop (4 warp instructions per SM-cycle over its instructions per weight, counted in
     the machine code) times the share of that bound the instance reached on the H200 (per tile_n:
     0.73 for tile_n 8, lower for the wide instances); sm_90's count for an arch without one. The
     decompress kernel (the decoupled path) runs the same per-lane decode: it is charged the tile_n 8
-    rate (measured on the H200: 2.1 weights per SM-cycle, the fused 1.7-2.1)."""
+    rate (measured on the H200: 2.1 weights per SM-cycle, the fused 1.7-2.1).
+
+    ``kernel`` "packed_kernel" / "packed_kernel_xfast": the byte-split kernel's general and
+    aligned-X instances. They have not run on a GPU: they are charged the v1 tile_n 8 instance's
+    measured share of its bound (an assumption until a GPU measures them), and the byte-split
+    decompress kernel (same per-lane decode, no tensor ops) the general instance's tile_n 8 rate."""
     budget = sass_budget()
-    rows = [r for r in budget.get("instances", ()) if r["kernel"] == "fused_kernel" and r["tile_n"] == tile_n]
+    rows = [r for r in budget.get("instances", ()) if r["kernel"] == kernel and r["tile_n"] == tile_n]
     row = next((r for r in rows if r["arch"] == arch), None) or next((r for r in rows if r["arch"] == "90"), None)
     if row is None:
         return FALLBACK_DECODE_RATE
     cal = budget.get("h200_calibration") or {}
-    eff = float((cal.get("by_tile_n") or {}).get(str(tile_n), {}).get("efficiency", cal.get("efficiency", 1.0)))
+    measured_n = tile_n if kernel == "fused_kernel" else TILE_NS[0]
+    eff = float((cal.get("by_tile_n") or {}).get(str(measured_n), {}).get("efficiency", cal.get("efficiency", 1.0)))
     return float(row["issue_bound_weights_per_sm_cycle"]) * eff
+
+
+def packed_tile_n(n: int) -> int:
+    """The byte-split kernel's instance for N tokens: 8 up to 8, else 16 (a grid over 16-column
+    blocks above 16, each block decoding the whole weight: the cost model charges every pass)."""
+    if n < 1:
+        raise ValueError(f"N must be >= 1, got {n}")
+    return PACKED_TILE_NS[0] if n <= PACKED_TILE_NS[0] else PACKED_TILE_NS[-1]
 
 
 def tile_n_for(n: int) -> int:
@@ -211,21 +236,30 @@ def _mem_s(nbytes: float, gpu: Gpu, eff: float, fill: float = 1.0) -> float:
 
 
 def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = None,
-             bits_per_weight: float = BITS_PER_WEIGHT) -> float:
+             bits_per_weight: float | None = None) -> float:
     """Estimated seconds of one call by ``plan`` (see the module docstring for the assumptions)."""
     table = BUILTIN if table is None else table
+    packed = plan.path in PATHS["bytesplit"]
+    if bits_per_weight is None:
+        bits_per_weight = PACKED_BITS_PER_WEIGHT if packed else BITS_PER_WEIGHT
     flops = 2.0 * n * m * k
     xy = 2.0 * n * (k + m)
     wc = bits_per_weight / 8 * m * k
-    if plan.path == "decoupled":
+    if plan.path in ("decoupled", "packed_decoupled"):
         dec_blocks = -(-m // TILE) * -(-k // TILE)
         # (a grid larger than the GPU does not read faster than its memory: fill is at most 1)
         dec_fill = min(1.0, dec_blocks / (gpu.sms * 4))
+        rate = decode_rate(gpu.arch, 8, "packed_kernel" if packed else "fused_kernel")
         t_dec = max(_mem_s(wc + 2.0 * m * k, gpu, 0.8, dec_fill),
-                    m * k / (gpu.sms * decode_rate(gpu.arch, TILE_NS[0]) * gpu.clock_ghz * 1e9 * dec_fill)) + LAUNCH_S
+                    m * k / (gpu.sms * rate * gpu.clock_ghz * 1e9 * dec_fill)) + LAUNCH_S
         t_mm = max(_mem_s(2.0 * m * k + xy, gpu, 0.85), flops / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
         return t_dec + t_mm
-    passes = -(-n // TILE_NS[-1]) if n > TILE_NS[-1] else 1
+    if packed:  # one pass per 16-column block: every block decodes the whole weight
+        passes = -(-n // plan.tile_n)
+        kernel = "packed_kernel_xfast" if k % TILE == 0 else "packed_kernel"
+    else:
+        passes = -(-n // TILE_NS[-1]) if n > TILE_NS[-1] else 1
+        kernel = "fused_kernel"
     blocks = -(-n // plan.tile_n) * -(-m // TILE) * plan.split
     fill = min(1.0, blocks / (gpu.sms * int(table.get("blocks_per_sm", 4))))
     t = _mem_s(passes * wc + xy, gpu, 0.75, fill)
@@ -233,7 +267,7 @@ def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = 
         partial = 2.0 * plan.split * n * m * 4
         fast = partial / 2 <= gpu.l2_mb * 1e6
         t += _mem_s(partial, gpu, 0.75 * (3.0 if fast else 1.0)) + LAUNCH_S  # + the reduction kernel
-    rate = decode_rate(gpu.arch, plan.tile_n)
+    rate = decode_rate(gpu.arch, plan.tile_n, kernel)
     t_decode = passes * m * k / (gpu.sms * rate * gpu.clock_ghz * 1e9 * min(1.0, blocks / gpu.sms))
     t_mma = flops / (gpu.bf16_tflops * 1e12 * 0.5)
     return max(t, t_decode, t_mma) + LAUNCH_S
@@ -245,20 +279,26 @@ def estimate_bf16(n: int, m: int, k: int, gpu: Gpu) -> float:
                2.0 * n * m * k / (gpu.bf16_tflops * 1e12 * 0.7)) + LAUNCH_S
 
 
-def candidates(n: int, m: int, k: int, table: dict | None = None) -> list[Plan]:
-    """The plans worth timing or estimating for one call: the fused kernel with each sensible
-    split, and the decoupled path."""
+def candidates(n: int, m: int, k: int, table: dict | None = None, layout: str = "v1") -> list[Plan]:
+    """The plans worth timing or estimating for one call on a weight held in ``layout``: the fused
+    kernel (v1) or the byte-split kernel (bytesplit) with each sensible split, and the decoupled
+    path of that layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     table = BUILTIN if table is None else table
     kt = -(-k // TILE)
     cap = max_split(k, table)
     splits = sorted({splitk_parts(kt, s) for s in (1, 2, 3, 4, 6, 8, 12, 16) if s <= cap})
+    if layout == "bytesplit":
+        tn = packed_tile_n(n)
+        return [Plan("packed", tn, s) for s in splits] + [Plan("packed_decoupled")]
     tn = tile_n_for(n)
     return [Plan("fused", tn, s) for s in splits] + [Plan("decoupled")]
 
 
-def cost_model_plan(n: int, m: int, k: int, gpu: Gpu, table: dict | None = None) -> Plan:
+def cost_model_plan(n: int, m: int, k: int, gpu: Gpu, table: dict | None = None, layout: str = "v1") -> Plan:
     """The plan the cost model estimates fastest."""
-    return min(candidates(n, m, k, table), key=lambda p: (estimate(p, n, m, k, gpu, table), p.split))
+    return min(candidates(n, m, k, table, layout), key=lambda p: (estimate(p, n, m, k, gpu, table), p.split))
 
 
 # ---------------------------------------------------------------- measured
@@ -278,17 +318,27 @@ def measured_plan(n: int, m: int, k: int) -> Plan | None:
     return None
 
 
-def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None, gpu: Gpu | None = None) -> Plan:
-    """The plan for Y[n, m] = X[n, k] . W[m, k]^T on a GPU with ``sm_count`` SMs."""
+def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None, gpu: Gpu | None = None,
+           layout: str = "v1") -> Plan:
+    """The plan for Y[n, m] = X[n, k] . W[m, k]^T on a GPU with ``sm_count`` SMs, W held in ``layout``
+    (measured rules of the other layout's paths are ignored; the tables hold v1 rules only)."""
     if min(n, m, k) < 1:
         raise ValueError(f"N, M, K must be >= 1, got N={n}, M={m}, K={k}")
     if sm_count < 1:
         raise ValueError(f"sm_count must be >= 1, got {sm_count}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     table = BUILTIN if table is None else table
     gpu = gpu_model(sms=sm_count) if gpu is None else gpu
     plan = measured_plan(n, m, k)
-    if plan is not None:
-        return plan if plan.path == "decoupled" else Plan("fused", tile_n_for(n), plan.split)
+    if plan is not None and plan.path in PATHS[layout]:
+        if plan.path == "fused":
+            return Plan("fused", tile_n_for(n), plan.split)
+        if plan.path == "packed":
+            return Plan("packed", packed_tile_n(n), plan.split)
+        return plan
+    if layout == "bytesplit":
+        return cost_model_plan(n, m, k, gpu, table, layout)
     kt = -(-k // TILE)
     for shape in table.get("shapes", ()):
         if int(shape["m"]) == m and int(shape["k"]) == k:

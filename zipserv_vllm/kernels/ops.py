@@ -10,10 +10,11 @@
   ``cpu_kernels.fused_max_n()`` tokens) and decode + F.linear otherwise.
 
 * ``zipserv::packed_decompress`` / ``zipserv::packed_gemm``: the same for a
-  weight in the CPU byte-split layout (``PackedTensor``, docs/FORMAT.md
-  appendix A), CPU only; "fast" runs the kernel kernels/cpu_dispatch.py chooses
-  for the shape and token count (the fp32 fused kernel or the AVX512-BF16
-  panel kernel), under the same threshold.
+  weight in the byte-split layout (``PackedTensor``, docs/FORMAT.md
+  appendix A); on the CPU "fast" runs the kernel kernels/cpu_dispatch.py
+  chooses for the shape and token count (the fp32 fused kernel or the
+  AVX512-BF16 panel kernel), under the same threshold; CUDA tensors take
+  kernels/cuda.py's kernels where ``_cuda`` is built.
 
 The default implementation below serves CPU tensors; device-specific kernels
 register themselves with ``gemm.register_kernel(...)`` /
@@ -74,6 +75,18 @@ def lean_op(schema: str, fake):
         return op
 
     return define
+
+
+def register_lean_kernel(name: str, device_key: str, fn) -> None:
+    """``fn`` as the kernel of the lean op ``zipserv::<name>`` for ``device_key`` ("CUDA"): it takes
+    precedence over the every-device implementation on that device's tensors."""
+    key = (name, device_key)
+    if key not in _DEVICE_IMPLS:  # (once per process: a second impl for one key is refused)
+        _LIB.impl(name, fn, device_key)
+        _DEVICE_IMPLS.add(key)
+
+
+_DEVICE_IMPLS: set = set()
 
 
 def _ct(bitmaps, base, offsets, sm, fb, m, k) -> CompressedTensor:

@@ -9,7 +9,8 @@ split-K off and on, the decoupled path, the grouped kernel at every
 ``tile_n``) once on a small random layer and compares with the weight it
 encoded:
 
-(and, where the ops have it, the byte-split-layout kernel at both its tile_n, split-K off and on)
+(and, where the ops have them, the byte-split layout's kernels: its decompress kernel, its fused
+kernel at both tile_n with split-K off and on, its decoupled path)
 
 * **exactly**, by one-hot inputs: ``X`` holds rows of the identity, so
   ``Y[i, m] = W[m, cols[i]]`` (an fp32 sum of one product and zeros is
@@ -32,7 +33,7 @@ import torch
 from . import dispatch
 
 SPLITS = (1, 3)  # split-K off, and three parts (partials reduced by the split-K kernel)
-PACKED = "packed"  # failures of the byte-split kernel start with this: reported, never used to pick the mode
+PACKED = "packed"  # failures of the byte-split kernels start with this: they decide the layout, not the mode
 _RESULTS: dict[tuple[str, int | None], list[str]] = {}
 
 
@@ -110,11 +111,21 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
             kk = wk.shape[1]
             xo_k, cols_k = one_hot(kk, kk, device=device)
             xr_k = torch.randn(n_random, kk, generator=g).to(torch.bfloat16).to(device)
+            try:
+                got = ops.packed_decompress_cuda(pt.tiles, pt.luts, pt.exc_start, pt.exc, *pt.shape)
+                same = torch.equal(got.view(torch.int16), wk.view(torch.int16))
+            except Exception as exc:
+                fails.append(f"{PACKED} decompress ({label}): {type(exc).__name__}: {exc}")
+            else:
+                if not same:
+                    fails.append(f"{PACKED} decompress ({label}): the decoded weight differs from the packed one")
             for tn in ops.PACKED_TILE_NS:
                 for split in SPLITS:
                     check(f"{PACKED} tile_n={tn} split={split} ({label})",
                           lambda x, pt=pt, tn=tn, split=split: ops.packed_gemm(x, pt, None, tn, split),
                           w=wk, xo=xo_k, cols=cols_k, xr=xr_k)
+            check(f"{PACKED} decoupled ({label})", lambda x, pt=pt: ops.packed_decoupled_gemm(x, pt, None),
+                  w=wk, xo=xo_k, cols=cols_k, xr=xr_k)
     return fails
 
 
@@ -133,17 +144,19 @@ class DecodeError(RuntimeError):
     """The decompress kernel itself is wrong on this device: no mode can serve from it."""
 
 
-def engine_mode(mode: str, devices, check=first_contact) -> tuple[str, str | None]:
-    """The mode an engine serves in once its CUDA ``devices`` had first contact, and the one line to
-    log when it changed (None: unchanged). Fast mode with a failing GEMM instance becomes exact mode
-    (decompress + cuBLAS, bit-identical to BF16); a failing decompress kernel raises
-    :class:`DecodeError`. Exact mode runs no check beyond what loading does."""
+def engine_mode(mode: str, devices, check=first_contact, layout: str = "v1") -> tuple[str, str | None, str]:
+    """(mode, the one line to log or None, layout) an engine serves with once its CUDA ``devices``
+    had first contact. Fast mode with a failing TCA-TBE GEMM instance becomes exact mode (decompress
+    + cuBLAS, bit-identical to BF16; layers stay v1); a failing decompress kernel raises
+    :class:`DecodeError`. ``layout`` "bytesplit" (the engine is about to hold its layers in the
+    byte-split layout) becomes "v1" when any byte-split kernel fails; in a v1 engine their failures
+    are only reported. Exact mode runs no check beyond what loading does."""
     if mode != "fast":
-        return mode, None
+        return mode, None, layout
     notes = []
     for dev in devices:
         every = check(dev)
-        fails = [f for f in every if not f.startswith(PACKED)]  # the byte-split kernel does not serve (yet)
+        fails = [f for f in every if not f.startswith(PACKED)]
         notes += [f"{dev}: {f}" for f in every if f.startswith(PACKED)]
         if not fails:
             continue
@@ -153,8 +166,13 @@ def engine_mode(mode: str, devices, check=first_contact) -> tuple[str, str | Non
                               "report it with the GPU's name and the CUDA version")
         more = f" and {len(fails) - 1} more" if len(fails) > 1 else ""
         return "exact", (f"zipserv: the fused CUDA kernels failed their first-contact check on {dev} "
-                         f"({fails[0]}{more}); serving in exact mode (decompress + cuBLAS, bit-identical to BF16)")
+                         f"({fails[0]}{more}); serving in exact mode (decompress + cuBLAS, bit-identical to BF16)"
+                         ), "v1"
     if notes:
+        more = f" and {len(notes) - 1} more" if len(notes) > 1 else ""
+        if layout == "bytesplit":
+            return mode, (f"zipserv: the byte-split CUDA kernels failed their first-contact check ({notes[0]}"
+                          f"{more}); the layers stay in the TCA-TBE v1 layout"), "v1"
         return mode, (f"zipserv: the byte-split CUDA kernel (not used for serving) failed its first-contact check "
-                      f"({notes[0]}{f' and {len(notes) - 1} more' if len(notes) > 1 else ''}); serving is unaffected")
-    return mode, None
+                      f"({notes[0]}{more}); serving is unaffected"), layout
+    return mode, None, layout

@@ -92,6 +92,8 @@ class ZipServConfig(QuantizationConfig):
             from ..kernels.autotune import prefer_policy
 
             self.prefer = prefer_policy(prefer)
+            # a GPU engine's layout in fast mode (first contact may turn bytesplit back into v1)
+            self.gpu_layout = settings.gpu_layout(self.prefer)
             self.page_bytes = _page_bytes()
         except Exception as exc:
             raise errors.report(exc)
@@ -285,7 +287,8 @@ class ZipServConfig(QuantizationConfig):
         if self._finished or self._moe_pending:
             return
         self._finished = True
-        repacked = self._repack_cpu()
+        self._first_contact()  # (before the repack: it decides whether a GPU engine holds the byte-split layout)
+        repacked = self._repack()
         for arena in self._arenas.values():
             users = [st for st in self._states if st.arena is arena and st.tables]
             # Drop the views first so each old page is freed as soon as it is copied
@@ -295,7 +298,6 @@ class ZipServConfig(QuantizationConfig):
             arena.trim()
             for st in users:
                 st.bind()
-        self._first_contact()
         self._autotune()
         self._key_compile_cache()  # now with the layers as loaded
         if not self.precompressed or repacked:
@@ -308,7 +310,8 @@ class ZipServConfig(QuantizationConfig):
     def _first_contact(self) -> None:
         """Fast mode on CUDA weights: every kernel instance checked exactly once per device before it
         serves (kernels/selfcheck.py); a failing GEMM instance switches this engine to exact mode with
-        one warning, a failing decompress kernel refuses the load."""
+        one warning, a failing decompress kernel refuses the load, a failing byte-split kernel keeps
+        the layers in v1 (where the engine was to hold the byte-split layout)."""
         from ..format import CompressedTensor
 
         devices = sorted({str(p.sm.device) for st in self._states if st.layer is not None for p in st.parts
@@ -320,7 +323,7 @@ class ZipServConfig(QuantizationConfig):
         from ..kernels import selfcheck
 
         try:
-            self.mode, line = selfcheck.engine_mode(self.mode, devices)
+            self.mode, line, self.gpu_layout = selfcheck.engine_mode(self.mode, devices, layout=self.gpu_layout)
         except selfcheck.DecodeError as exc:
             raise loading.ZipServLoadError(str(exc)) from None
         if line:
@@ -334,7 +337,7 @@ class ZipServConfig(QuantizationConfig):
         if "_tuner_obj" in self.__dict__:
             return self.__dict__["_tuner_obj"]
 
-        from ..kernels import autotune
+        from ..kernels import autotune, dispatch
 
         tuner = None
         timings = _os.environ.get("ZIPSERV_AUTOTUNE_TIMINGS")
@@ -348,7 +351,9 @@ class ZipServConfig(QuantizationConfig):
             except Exception:  # no current config (a layer built outside an engine)
                 pass
             if timings:
-                tuner = autotune.Tuner(autotune.injected_time_fn(timings), max_n, decode_n)
+                layout = self._tuned_gpu_layout()
+                tuner = autotune.Tuner(autotune.injected_time_fn(timings), max_n, decode_n,
+                                       candidates=lambda n, m, k: dispatch.candidates(n, m, k, layout=layout))
             else:
                 import torch
 
@@ -358,8 +363,10 @@ class ZipServConfig(QuantizationConfig):
                     from ..kernels import cuda
 
                     dev = torch.device("cuda", torch.cuda.current_device())
-                    cache = autotune.cache_file(cuda.device_info(dev)[0], cuda.driver_version(), __version__)
-                    tuner = autotune.Tuner(autotune.cuda_time_fn(dev), max_n, decode_n, cache)
+                    layout = self._tuned_gpu_layout()
+                    cache = autotune.cache_file(cuda.device_info(dev)[0], cuda.driver_version(), __version__, layout)
+                    tuner = autotune.Tuner(autotune.cuda_time_fn(dev, layout=layout), max_n, decode_n, cache,
+                                           candidates=lambda n, m, k: dispatch.candidates(n, m, k, layout=layout))
                 elif loading.uses_packed(torch.device("cpu"), self.mode):
                     # CPU fast mode: time the byte-split kernels against vLLM's own BF16 kernel.
                     from ..kernels import cpu_dispatch
@@ -376,6 +383,12 @@ class ZipServConfig(QuantizationConfig):
                     tuner.kind = "cpu"
         self.__dict__["_tuner_obj"] = tuner
         return tuner
+
+    def _tuned_gpu_layout(self) -> str:
+        """The layout whose GPU plans the tuner times: the engine's GPU layout in fast mode (v1 in exact
+        mode, which never repacks). Decided before first contact; should first contact turn it back to
+        v1, the measured byte-split plans are ignored by dispatch.choose and the cost model serves v1."""
+        return self.gpu_layout if self.mode == "fast" else "v1"
 
     def speed_reason(self, shapes) -> str | None:
         """With prefer=speed: why a layer of these part shapes stays BF16 (None: compress it)."""
@@ -409,19 +422,22 @@ class ZipServConfig(QuantizationConfig):
             dispatch.set_measured(tuner.tuning.rules())
         tuner.save()
 
-    def _repack_cpu(self) -> int:
-        """CPU fast mode: v1 layers -> the CPU byte-split layout (loading.repack_cpu)."""
+    def _repack(self) -> int:
+        """Fast mode: v1 layers -> the byte-split layout (loading.repack) where the engine holds it
+        (CPU fast mode by default; GPU with gpu_layout bytesplit)."""
         total = 0
         for key, old in list(self._arenas.items()):
-            if not loading.uses_packed(old.device, self.mode):
+            if not loading.uses_packed(old.device, self.mode, self.gpu_layout):
                 continue
             new = self._new_arena(old.device)
-            n = loading.repack_cpu([s for s in self._states if s.layer is not None or s.tables], old, new)
+            n = loading.repack([s for s in self._states if s.layer is not None or s.tables], old, new)
             if n:
                 self._arenas[key] = new
                 total += n
-                logger.debug("zipserv: %d layers repacked into the CPU byte-split layout (fast mode; "
-                             "ZIPSERV_CPU_LAYOUT=v1 keeps TCA-TBE v1 in memory)", n)
+                how = ("ZIPSERV_CPU_LAYOUT=v1" if torch.device(old.device).type == "cpu"
+                       else "ZIPSERV_GPU_LAYOUT=v1")
+                logger.debug("zipserv: %d layers repacked into the byte-split layout on %s (fast mode; %s keeps "
+                             "TCA-TBE v1 in memory)", n, old.device, how)
         return total
 
     def memory_summary(self) -> dict[str, int]:
@@ -454,7 +470,7 @@ class ZipServConfig(QuantizationConfig):
                 m["layers_compressed"], how, m["layers_bf16"], m["arena_pages"], m["arena_allocated_bytes"] / 2**20,
                 m["compressed_bf16_bytes"] / 2**20, ratio,
                 (m["compressed_bf16_bytes"] - m["arena_allocated_bytes"]) / 2**20,
-                self.mode + (" (CPU byte-split layout)" if any(isinstance(p, PackedTensor) for st in live for p in st.parts)
+                self.mode + (" (byte-split layout)" if any(isinstance(p, PackedTensor) for st in live for p in st.parts)
                              else ""), self._check_words(live))
         reasons: dict[str, list[str]] = {}
         for st in live:

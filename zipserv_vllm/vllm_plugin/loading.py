@@ -19,9 +19,12 @@ Pre-compressed checkpoints follow "record first, execute later"
    narrow them, and re-encoding the rank's matrix (one log line).
 
 On the CPU in fast mode (with the ``_cpu_gemm`` extension, unless
-``ZIPSERV_CPU_LAYOUT=v1``) the layers end up in the CPU byte-split layout
+``ZIPSERV_CPU_LAYOUT=v1``), and on a GPU in fast mode when the engine holds the
+byte-split layout (``ZIPSERV_GPU_LAYOUT=bytesplit`` or ``prefer: speed``, its
+kernels having passed their first-contact check; linear layers only), the
+layers end up in the byte-split layout
 (``PackedTensor``, docs/FORMAT.md appendix A): packed at load straight from
-BF16, or repacked from v1 once loading is over (:func:`repack_cpu`), one
+BF16, or repacked from v1 once loading is over (:func:`repack`), one
 layer at a time, each v1 page released as soon as no layer still needs it.
 """
 
@@ -64,12 +67,20 @@ def cpu_layout() -> str:
     return settings.cpu_layout()
 
 
-def uses_packed(device: torch.device, mode: str) -> bool:
-    """Whether layers on ``device`` are held in the CPU byte-split layout."""
+def uses_packed(device: torch.device, mode: str, gpu_layout: str = "v1") -> bool:
+    """Whether layers on ``device`` are held in the byte-split layout: on the CPU in fast mode
+    (unless ``ZIPSERV_CPU_LAYOUT=v1``); on a GPU in fast mode when the engine's ``gpu_layout`` is
+    ``bytesplit`` and the CUDA kernels are built (linear layers only: see :func:`repack`)."""
+    device = torch.device(device)
+    if mode != "fast":
+        return False
+    if device.type == "cuda":
+        from ..kernels import cuda
+
+        return gpu_layout == "bytesplit" and cuda.REGISTERED
     from ..kernels import cpu as cpu_kernels
 
-    return (torch.device(device).type == "cpu" and mode == "fast" and cpu_layout() == "bytesplit"
-            and cpu_kernels.available())
+    return device.type == "cpu" and cpu_layout() == "bytesplit" and cpu_kernels.available()
 
 
 _PARTS_EPOCH = [0]
@@ -140,11 +151,15 @@ class LayerState:
         through them inside CUDA-graph capture (kernels/cuda.py)."""
         self.parts = [_part_from_table(self.arena, t, s) for t, s in zip(self.tables, self.part_shapes)]
         for p in self.parts:
-            if isinstance(p, CompressedTensor) and p.sm.is_cuda:
+            if p.device.type == "cuda":
                 from ..kernels import cuda
 
-                if cuda.REGISTERED:
+                if not cuda.REGISTERED:
+                    continue
+                if isinstance(p, CompressedTensor):
                     cuda.validate_weight(p.bitmaps, p.base, p.offsets, p.sm, p.fb, *p.shape)
+                else:
+                    cuda.validate_packed(p)
 
     def source(self) -> "LayerState":
         return self.tied_to.source() if self.tied_to is not None else self
@@ -751,19 +766,30 @@ def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bo
     state.done = True
 
 
-def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
-    """Repack every v1 part of ``states`` held in ``old`` into ``new`` in the CPU
+def stays_v1(state: LayerState, device) -> bool:
+    """Whether :func:`repack` leaves ``state`` in v1 on ``device``: an embedding table on a GPU
+    (its gather kernel reads v1; on the CPU the packed embedding kernel reads the byte-split layout)."""
+    return torch.device(device).type == "cuda" and state.kind == "embedding"
+
+
+def repack(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
+    """Repack every v1 part of ``states`` held in ``old`` into ``new`` in the
     byte-split layout, one layer at a time; each page of ``old`` is released as
     soon as no layer left to repack uses it, so the peak stays near the final
-    size plus a page. Returns the number of layers repacked."""
+    size plus a page. Returns the number of layers repacked. On a GPU the
+    embedding tables stay v1 (the gather kernel reads TCA-TBE v1), copied as
+    they are; the parts are packed on the CPU (kernels.cpu.pack)."""
     from ..kernels import cpu as cpu_kernels
+
+    def keeps_v1(st: LayerState) -> bool:
+        return stays_v1(st, old.device)
 
     def pages(st: LayerState) -> set[int]:
         return {e.slot.page for t in st.tables for e in t.entries.values()}
 
     held = [st for st in states if st.arena is old and st.tables]
-    repack = sum(1 for st in held if not all("tiles" in t.entries for t in st.tables))
-    if not repack:
+    count = sum(1 for st in held if not keeps_v1(st) and not all("tiles" in t.entries for t in st.tables))
+    if not count:
         return 0
     # Layers already in the byte-split layout (packed at load, e.g. MoE experts beside v1 layers of a
     # pre-compressed checkpoint) move along, copied as they are: ``old`` is retired as a whole.
@@ -776,6 +802,9 @@ def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> in
         used = pages(st)
         tables = []
         for part in st.parts:
+            if isinstance(part, CompressedTensor) and keeps_v1(st):
+                tables.append(store_compressed(new, part))
+                continue
             pt = part if isinstance(part, PackedTensor) else cpu_kernels.pack(part)
             tables.append(new.store(pt.arrays()))
             del pt
@@ -786,4 +815,4 @@ def repack_cpu(states: list[LayerState], old: PagedArena, new: PagedArena) -> in
             users[page] -= 1
             if users[page] == 0:
                 old.release(page)
-    return repack
+    return count
