@@ -397,6 +397,65 @@ except MemoryError:
     assert "RESULT MemoryError" in r.stdout
 
 
+@needs_bf16
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status and sets RLIMIT_AS (Linux)")
+def test_out_of_memory_is_reported_to_its_own_call_only():
+    """Each call has its own out-of-memory flag: while one thread's calls fail to allocate (and raise
+    MemoryError, every time), another thread's calls (the GIL is released inside) succeed with exact
+    results. With one process-wide flag a call could take another's failure, or miss its own and
+    return an incomplete output."""
+    import subprocess
+    import sys
+
+    probe = """
+import resource, threading
+import numpy as np
+from zipserv_vllm import _cpu_gemm
+from zipserv_vllm.kernels import cpu as ck
+import torch
+torch.manual_seed(0)
+pt = ck.pack((torch.randn(64, 512) * 0.02).bfloat16(), threads=1)
+arrs = [getattr(pt, a).numpy() for a in ("tiles", "luts", "exc_start", "exc")]
+bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)
+small = bits(torch.randn(24, 512).bfloat16())
+big = bits(torch.randn(16384, 512).bfloat16())  # 16 MiB of accumulators in the calling thread's scratch
+want = np.zeros((24, 64), np.uint16)
+_cpu_gemm.packed_gemm_bf16(small, *arrs, 64, 512, None, want, 1)
+out_small, out_big = np.zeros_like(want), np.zeros((16384, 64), np.uint16)  # (no allocation under the limit)
+errors, wrong, done, raised = [], 0, 0, 0
+go, stop = threading.Event(), threading.Event()
+def other():
+    global wrong, done
+    go.wait()
+    while not stop.is_set():
+        try:
+            out_small[...] = 0
+            _cpu_gemm.packed_gemm_bf16(small, *arrs, 64, 512, None, out_small, 1)
+            wrong += int(not np.array_equal(out_small, want))
+            done += 1
+        except Exception as exc:
+            errors.append(repr(exc))
+t = threading.Thread(target=other)
+t.start()
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+go.set()
+try:
+    for _ in range(100):
+        try:
+            _cpu_gemm.packed_gemm_bf16(big, *arrs, 64, 512, None, out_big, 1)
+        except MemoryError:
+            raised += 1
+finally:
+    stop.set()
+    t.join()
+print("RESULT", raised, wrong, len(errors), errors[:1], done > 0)
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT 100 0 0 [] True" in r.stdout, r.stdout
+
+
 # ------------------------------------------------------------------ MoE experts in one call
 def _experts(n_exp, hidden, inter, seed):
     w13 = [_weight(2 * inter, hidden, seed=seed + e) for e in range(n_exp)]

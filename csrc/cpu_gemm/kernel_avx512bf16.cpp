@@ -68,9 +68,10 @@ constexpr int kMediumWords = 16 * kFragElems;     // 16 FTs of a medium tile
 constexpr int kMaxNb = 6;                         // tokens per register block
 constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // next-row lines prefetched per 8-column group (3)
 
-std::atomic<bool> g_alloc_failed{false};
-
-// Per-thread buffer of T, grown on demand (never freed while the thread lives).
+// Per-thread buffer of T, grown on demand (never freed while the thread lives). get() returns
+// nullptr when out of memory: the caller sets its job's oom flag and returns (no exception may
+// leave an OpenMP region); each call has a flag of its own, so concurrent calls (the GIL is
+// released) never see each other's failure.
 template <class T>
 struct ThreadBuf {
   T* p = nullptr;
@@ -80,9 +81,8 @@ struct ThreadBuf {
     if (count > cap) {
       std::free(p);
       p = static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64));
-      if (p == nullptr) {  // out of memory: the caller reports it (no exception may leave an OpenMP region)
+      if (p == nullptr) {
         cap = 0;
-        g_alloc_failed.store(true);
         return nullptr;
       }
       cap = count;
@@ -429,10 +429,12 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
   float* accp = acc_buf.get(static_cast<size_t>(4 * n * 64));
-  if (accp == nullptr) return;
   // medium tiles with exceptions, decoded and patched: [kChunk][4] slots of a medium tile each
-  uint16_t* pbuf = panel_buf.get(static_cast<size_t>(kChunk * 4 * kMediumWords));
-  if (pbuf == nullptr) return;
+  uint16_t* pbuf = accp == nullptr ? nullptr : panel_buf.get(static_cast<size_t>(kChunk * 4 * kMediumWords));
+  if (pbuf == nullptr) {
+    job.oom->store(true);
+    return;
+  }
   uint16_t* patched[4][kChunk];
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     const int64_t bad_range = first_bad_range(w, tm * kt, (tm + 1) * kt);
@@ -496,7 +498,10 @@ void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const int64_t kt = w.kt, n = job.n;
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kChunk * kMediumWords));
   float* acc = acc_buf.get(static_cast<size_t>(4 * n * 64));
-  if (buf == nullptr || acc == nullptr) return;
+  if (buf == nullptr || acc == nullptr) {
+    job.oom->store(true);
+    return;
+  }
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     std::memset(acc, 0, static_cast<size_t>(4 * n * 64) * sizeof(float));
     for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
@@ -525,7 +530,10 @@ void bf16_decode_rows(const PackedDecodeJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt;
   uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kt * kMediumWords));
-  if (buf == nullptr) return;
+  if (buf == nullptr) {
+    if (job.oom != nullptr) job.oom->store(true);
+    return;
+  }
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     const int64_t bad = decode_tiles(w, tm * kt, kt, buf);
     if (bad >= 0) {
@@ -594,7 +602,6 @@ namespace zipserv {
 namespace cpu {
 
 Bf16GemmRowsFn avx512bf16_gemm_rows() { return bf16_gemm_rows; }
-bool avx512bf16_alloc_failed() { return g_alloc_failed.exchange(false); }
 PackedDecodeRowsFn avx512bf16_decode_rows() { return bf16_decode_rows; }
 void avx512bf16_silu_mul(const uint16_t* h, int64_t r0, int64_t r1, int64_t inter, uint16_t* act) {
   silu_mul_rows(h, r0, r1, inter, act);

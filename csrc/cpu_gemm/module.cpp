@@ -161,10 +161,14 @@ void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py:
 template <class W, class Fn>
 void run_decode(const W& w, Fn fn, py::array& out, int threads, std::atomic<int64_t>& bad) {
   check(out, "out", "ui", 2, {w.m, w.k});
-  py::gil_scoped_release nogil;
-  const DecodeJobT<W> job{w, static_cast<uint16_t*>(out.mutable_data()), &bad};
-  auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
-  parallel_for(w.mt, threads, body);
+  std::atomic<bool> oom{false};
+  {
+    py::gil_scoped_release nogil;
+    const DecodeJobT<W> job{w, static_cast<uint16_t*>(out.mutable_data()), &bad, &oom};
+    auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
+    parallel_for(w.mt, threads, body);
+  }
+  if (oom.load()) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
 }
 
 void gemm(const py::array& x, const py::array& bitmaps, const py::array& base, const py::array& offsets,
@@ -300,8 +304,9 @@ int64_t embedding_call(const EmbeddingCall& c) {
 constexpr int64_t kBf16Rows = 4;
 
 // y[n, m] = x[n, k] . W^T + bias by the AVX512-BF16 panel kernel on checked, contiguous bf16 buffers
-// (bias may be null); the caller has released the GIL and checks avx512bf16_alloc_failed() after.
-void panel_rows(const Packed& w, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
+// (bias may be null); the caller has released the GIL. False when a thread's scratch could not be
+// allocated (y is then incomplete).
+bool panel_rows(const Packed& w, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
                 std::atomic<int64_t>& bad) {
   const int64_t kp = w.kt * kTile;
   // x zero-padded to Kp columns (a copy only when K is not a multiple of 64)
@@ -311,13 +316,15 @@ void panel_rows(const Packed& w, const uint16_t* xs, int64_t n, const uint16_t* 
     for (int64_t t = 0; t < n; ++t) std::memcpy(xb.data() + t * kp, xs + t * w.k, static_cast<size_t>(w.k) * 2);
     xs = xb.data();
   }
-  const Bf16GemmJob job{w, xs, n, kp, bias, y, &bad};
+  std::atomic<bool> oom{false};
+  const Bf16GemmJob job{w, xs, n, kp, bias, y, &bad, &oom};
   const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
   // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
   // the next chunk of records (across row ends) while it multiplies the current one.
   const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
   auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
   parallel_for(items, threads, body);
+  return !oom.load();
 }
 
 // y = x . W^T + bias by the AVX512-BF16 kernel (vdpbf16ps; not bit-identical to
@@ -330,12 +337,13 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
   const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
   if (args.n == 0) return;
   std::atomic<int64_t> bad{-1};
+  bool done;
   {
     py::gil_scoped_release nogil;
-    panel_rows(w, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
-               static_cast<uint16_t*>(out.mutable_data()), threads, bad);
+    done = panel_rows(w, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
+                      static_cast<uint16_t*>(out.mutable_data()), threads, bad);
   }
-  if (avx512bf16_alloc_failed()) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
+  if (!done) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 
@@ -349,8 +357,7 @@ bool packed_rows(const Packed& w, const Kernel& fused, bool panel, const uint16_
     fused_rows(w, fused.packed_gemm_rows, x, n, bias, y, threads, bad);
     return true;
   }
-  panel_rows(w, x, n, bias, y, threads, bad);
-  return !avx512bf16_alloc_failed();
+  return panel_rows(w, x, n, bias, y, threads, bad);
 }
 
 // The capsule entry (PackedCall, cpu_gemm.h): what PackedLinear::run does, on sizes the caller
@@ -435,11 +442,16 @@ void check_table(const py::array& table, const char* name, int64_t e_count, int6
                                   ", the call needs " + std::to_string(m) + " x " + std::to_string(k));
 }
 
+// experts_forward's error when a thread's scratch could not be allocated (no tile error reads so).
+const char kOutOfMemory[] = "out of memory";
+
 // Y[rows of e] = X[rows of e] . W_e^T for every expert with rows, as one
 // parallel loop over (expert, run of kBf16Rows tile rows) items; false, with
-// (expert, tile) in bad_e / bad_g, when a tile is malformed.
+// (expert, tile) in bad_e / bad_g, when a tile is malformed. oom is set when a
+// thread's scratch could not be allocated (Y incomplete).
 bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, int64_t m, int64_t k,
-                  const uint16_t* x, uint16_t* y, int threads, int64_t& bad_e, int64_t& bad_g) {
+                  const uint16_t* x, uint16_t* y, int threads, int64_t& bad_e, int64_t& bad_g,
+                  std::atomic<bool>& oom) {
   std::vector<std::atomic<int64_t>> bad(static_cast<size_t>(e_count));
   std::vector<Bf16GemmJob> jobs;
   std::vector<std::array<int64_t, 3>> items;  // (job, tm0, tm1)
@@ -449,7 +461,7 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
     const int64_t n = bounds[e + 1] - bounds[e];
     if (n == 0) continue;
     const Packed w = expert_view(table + kExpertCols * e, m, k);
-    jobs.push_back(Bf16GemmJob{w, x + bounds[e] * k, n, k, nullptr, y + bounds[e] * m, &bad[e]});
+    jobs.push_back(Bf16GemmJob{w, x + bounds[e] * k, n, k, nullptr, y + bounds[e] * m, &bad[e], &oom});
     for (int64_t tm = 0; tm < w.mt; tm += kBf16Rows)
       items.push_back({static_cast<int64_t>(jobs.size()) - 1, tm, std::min(tm + kBf16Rows, w.mt)});
   }
@@ -478,14 +490,25 @@ std::string experts_forward(const uint16_t* xs, const int64_t* bd, int64_t e_cou
                             const int64_t* t2, int64_t inter, int64_t hidden, uint16_t* hp, uint16_t* ap, uint16_t* y,
                             int threads) {
   int64_t bad_e = -1, bad_g = -1;
+  std::atomic<bool> oom{false};
   const int64_t r = bd[e_count];
-  if (!experts_gemm(t13, bd, e_count, 2 * inter, hidden, xs, hp, threads, bad_e, bad_g))
+  const bool ok13 = experts_gemm(t13, bd, e_count, 2 * inter, hidden, xs, hp, threads, bad_e, bad_g, oom);
+  if (oom.load()) return kOutOfMemory;
+  if (!ok13)
     return "expert " + std::to_string(bad_e) + " (w13): " + bad_tile_text(bad_g, tile_count(hidden), kPackedBad);
   auto silu_mul = [&](int64_t a, int64_t b) { avx512bf16_silu_mul(hp, a, b, inter, ap); };
   parallel_for(r, r * inter < kSmallWork ? 1 : threads, silu_mul);
-  if (!experts_gemm(t2, bd, e_count, hidden, inter, ap, y, threads, bad_e, bad_g))
+  const bool ok2 = experts_gemm(t2, bd, e_count, hidden, inter, ap, y, threads, bad_e, bad_g, oom);
+  if (oom.load()) return kOutOfMemory;
+  if (!ok2)
     return "expert " + std::to_string(bad_e) + " (w2): " + bad_tile_text(bad_g, tile_count(inter), kPackedBad);
   return "";
+}
+
+// An error string's meaning for the Python-facing entries: out of memory -> MemoryError, else ValueError.
+void raise_moe_error(const std::string& err) {
+  if (err == kOutOfMemory) throw std::bad_alloc();
+  if (!err.empty()) throw std::invalid_argument(err);
 }
 
 void check_moe_sizes(int64_t inter, int64_t hidden, const py::array& w13, const py::array& w2, int64_t e_count) {
@@ -522,8 +545,7 @@ void moe_experts_bf16(const py::array& xs, const py::array& bounds, const py::ar
                           hidden, static_cast<uint16_t*>(h.mutable_data()), static_cast<uint16_t*>(act.mutable_data()),
                           static_cast<uint16_t*>(y.mutable_data()), threads);
   }
-  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
-  if (!err.empty()) throw std::invalid_argument(err);
+  raise_moe_error(err);
 }
 
 // A whole MoE layer's routed experts for tokens xp [t_count][hidden]: out[t] = sum over j of
@@ -616,8 +638,7 @@ class MoeLayer {
       err = forward(reinterpret_cast<const uint16_t*>(x), t_count, reinterpret_cast<const void*>(ids), id_bytes,
                     reinterpret_cast<const float*>(weights), k, reinterpret_cast<uint16_t*>(out), on_input, threads);
     }
-    if (avx512bf16_alloc_failed()) throw std::bad_alloc();
-    if (!err.empty()) throw std::invalid_argument(err);
+    raise_moe_error(err);
   }
 
   // run() on checked arguments, without Python: "" or the error.
@@ -646,7 +667,7 @@ int64_t moe_call(const MoeCall& c) {
     if (c.t < 1 || c.k < 1 || (c.id_bytes != 4 && c.id_bytes != 8)) return kMoeCallFailed;
     const auto* layer = static_cast<const MoeLayer*>(c.layer);
     const std::string err = layer->forward(c.x, c.t, c.ids, c.id_bytes, c.weights, c.k, c.out, c.on_input, c.threads);
-    if (avx512bf16_alloc_failed() || !err.empty()) return kMoeCallFailed;
+    if (!err.empty()) return kMoeCallFailed;  // (out of memory too: the Python path then reports it)
     return kMoeCallDone;
   } catch (...) {  // (std::bad_alloc from a buffer)
     return kMoeCallFailed;
@@ -658,8 +679,7 @@ void packed_decode_bf16(const py::array& tiles, const py::array& luts, const py:
   if (!avx512bf16_supported()) throw std::invalid_argument("this CPU has no AVX512-BF16 (vdpbf16ps)");
   const Packed w = packed(tiles, luts, exc_start, exc, m, k);
   std::atomic<int64_t> bad{-1};
-  run_decode(w, avx512bf16_decode_rows(), out, threads, bad);
-  if (avx512bf16_alloc_failed()) throw std::bad_alloc();
+  run_decode(w, avx512bf16_decode_rows(), out, threads, bad);  // (throws MemoryError when out of memory)
   raise_bad(bad.load(), w.kt, kPackedBad);
 }
 

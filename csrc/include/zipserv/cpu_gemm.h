@@ -147,6 +147,7 @@ struct DecodeJobT {
   W w;
   uint16_t* out;  // [m][k] bf16 bits
   std::atomic<int64_t>* bad_tile;
+  std::atomic<bool>* oom = nullptr;  // set when a thread's scratch could not be allocated (this call's own flag)
 };
 using DecodeJob = DecodeJobT<Matrix>;
 using PackedDecodeJob = DecodeJobT<Packed>;
@@ -165,10 +166,10 @@ struct Bf16GemmJob {
   const uint16_t* bias;  // [m] bf16 bits or nullptr
   uint16_t* y;           // [n][m] bf16 bits
   std::atomic<int64_t>* bad_tile;
+  std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (y is then incomplete)
 };
 using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1);
 Bf16GemmRowsFn avx512bf16_gemm_rows();
-bool avx512bf16_alloc_failed();  // whether a thread's buffer could not be allocated (clears the flag)
 bool avx512bf16_supported();
 
 PackedDecodeRowsFn avx512bf16_decode_rows();  // the panel kernel's decode step alone (tests)
