@@ -7,6 +7,8 @@ prefer), the dispatcher's plans for a weight in that layout (measured, then
 the cost model), and the tuner's keys and cache for them.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -102,6 +104,13 @@ def test_tuner_keys_rules_and_cache_per_layout(tmp_path, monkeypatch):
         n, m, k, layout="bytesplit"), ns=[1, 64])
     assert got.rules() == {(4096, 4096): [(1, Plan("packed", 8, 4)), (1 << 30, Plan("packed_decoupled"))]}
     assert got.ratio(4096, 4096, 1) == pytest.approx(0.4)
+    # a budget cut after the decode buckets: the byte-split kernel's rule is not stretched to prefill sizes
+    cut = autotune.tune([(4096, 4096)], 64, fn, candidates=lambda n, m, k: dispatch.candidates(
+        n, m, k, layout="bytesplit"), ns=[1])
+    assert cut.rules() == {(4096, 4096): [(1, Plan("packed", 8, 4))]}
+    dispatch.set_measured(cut.rules())
+    assert dispatch.choose(1, 4096, 4096, 132, gpu=H200, layout="bytesplit") == Plan("packed", 8, 4)
+    assert dispatch.choose(4096, 4096, 4096, 132, gpu=H200, layout="bytesplit") == Plan("packed_decoupled")
     monkeypatch.setenv("ZIPSERV_CACHE", str(tmp_path))
     v1 = autotune.cache_file("NVIDIA H200", "580.1", "1.0")
     bs = autotune.cache_file("NVIDIA H200", "580.1", "1.0", "bytesplit")
@@ -154,3 +163,11 @@ def test_a_gpu_repack_leaves_the_embedding_in_v1():
     assert loading.stays_v1(state("embedding"), "cuda:0")
     assert not loading.stays_v1(state("linear"), "cuda:0")
     assert not loading.stays_v1(state("embedding"), "cpu")  # the CPU packs it (packed_embedding)
+    # an untied lm_head (the embedding method's other layer) only multiplies: repacked like a linear layer
+    from zipserv_vllm.vllm_plugin import compat
+
+    head_cls = compat.find("ParallelLMHead")
+    head = head_cls.__new__(head_cls)  # (an instance without vLLM's distributed set-up: only its class matters)
+    st = state("embedding")
+    st.layer_ref = weakref.ref(head)
+    assert not loading.stays_v1(st, "cuda:0")

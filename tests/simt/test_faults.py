@@ -109,19 +109,30 @@ def test_grouped_kernel_on_the_next_experts_rows(tmp_path):
     _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
 
 
-# decompress.cu: each lane decodes its fragment pairs into the shared tile, then
-# the warp's lanes store rows that other lanes wrote: the __syncwarp between.
-WARP_SYNC = "  }\n  __syncwarp();\n  // Warp w's FTs"
+# The decompress kernels: each lane decodes its fragment pairs into the shared tile, then the
+# warp's lanes store rows that other lanes wrote (store_tile_rows): the __syncwarp between.
+WARP_SYNC = "  }\n  __syncwarp();\n  store_tile_rows(tile, a.out"
+NO_WARP_SYNC = "  }\n  store_tile_rows(tile, a.out"
 
 
-def test_missing_syncwarp_is_a_race(tmp_path):
-    mod = _faulty(tmp_path, "no-syncwarp", "cuda/decompress.cu", WARP_SYNC, "  }\n  // Warp w's FTs")
-    todo = _decompress_cases()
+def _packed_decompress_cases():
+    from .corpus import packed_case
+
+    return [packed_case(ALL.reshape(256, 256), "packed_decompress", "all patterns", 0, 1),
+            packed_case(np.random.default_rng(5).integers(0x3000, 0x4000, (130, 200), dtype=np.uint16),
+                        "packed_decompress", "narrow", 0, 1)]
+
+
+@pytest.mark.parametrize("source", ["decompress.cu", "decompress_packed.cu"])
+def test_missing_syncwarp_is_a_race(tmp_path, source):
+    path = f"cuda/{source}"
+    todo = _decompress_cases() if source == "decompress.cu" else _packed_decompress_cases()
+    mod = _faulty(tmp_path, f"no-syncwarp-{source}", path, WARP_SYNC, NO_WARP_SYNC)
     _assert_wrong(_run(tmp_path, mod, "plain", todo), len(todo))
-    tsan = _faulty(tmp_path, "no-syncwarp", "cuda/decompress.cu", WARP_SYNC, "  }\n  // Warp w's FTs", variant="tsan")
+    tsan = _faulty(tmp_path, f"no-syncwarp-{source}", path, WARP_SYNC, NO_WARP_SYNC, variant="tsan")
     r = _run(tmp_path, tsan, "tsan", todo[1:])
     assert r.returncode == harness.EXIT_STATUS["tsan"], (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
-    assert "data race" in r.stderr and "decompress.cu" in r.stderr, r.stderr[-3000:]
+    assert "data race" in r.stderr and source in r.stderr, r.stderr[-3000:]
 
 
 def test_anchor_that_moved_fails_loudly(tmp_path):

@@ -261,3 +261,39 @@ def test_cpu_pages_are_backed_by_huge_pages(fill):
     page = arena._pages[0].tensor
     aligned = -(-page.data_ptr() // (2 << 20)) * (2 << 20)
     assert _huge_kib(aligned) >= 2048, (fill, _thp_mode())
+
+
+def test_repack_copies_the_layers_that_stay_v1(monkeypatch):
+    """On a GPU the input embedding stays v1 (loading.stays_v1): the repack copies its v1 arrays into
+    the new arena as they are, bit for bit, and repacks the rest (checked here on the CPU with the
+    GPU's rule in place)."""
+    from zipserv_vllm.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    from zipserv_vllm.codec import decompress_tensor
+    from zipserv_vllm.format import CompressedTensor
+    from zipserv_vllm.format.cpu_layout import PackedTensor
+    from zipserv_vllm.vllm_plugin import loading
+
+    monkeypatch.setattr(loading, "stays_v1", lambda st, device: st.kind == "embedding")
+    old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
+    weights, states = [], []
+    for i, kind in enumerate(("embedding", "linear", "linear")):
+        w = _w(192, 200, seed=20 + i)
+        st = loading.LayerState(prefix=f"l{i}", kind=kind, rows=192, cols=200, device=torch.device("cpu"),
+                                expected_shards=[None])
+        st.arena, st.tables, st.part_shapes = old, [store_compressed(old, compress_tensor(w))], [(192, 200)]
+        st.bind()
+        weights.append(w)
+        states.append(st)
+    assert loading.repack(states, old, new) == 2  # the two linear layers
+    assert old.num_pages == 0
+    emb, *lin = states
+    assert emb.arena is new and isinstance(emb.parts[0], CompressedTensor)
+    assert torch.equal(_bits(decompress_tensor(emb.parts[0])), _bits(weights[0]))
+    for w, st in zip(weights[1:], lin):
+        assert st.arena is new and isinstance(st.parts[0], PackedTensor)
+        assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
+    # only v1 embeddings left: nothing to repack
+    assert loading.repack([emb], new, PagedArena()) == 0

@@ -213,3 +213,38 @@ def test_moe_layers_found_by_name_in_their_own_engine():
     assert torch.equal(torch.ops.zipserv.moe_experts(x, w, ids, name), x + 2.0)  # the only live one
     with set_forward_context(None, configs[0]), pytest.raises(RuntimeError, match="after its model was freed"):
         torch.ops.zipserv.moe_experts(x, w, ids, name)
+
+
+def test_gpu_first_contact_decides_mode_and_layout_once_and_drops_a_stale_tuner(monkeypatch):
+    """A GPU engine's first contact (kernels/selfcheck.py) runs once per device, before the tuner
+    times anything there; when it turns the byte-split layout back into v1 (or fast into exact mode),
+    a tuner made for the old layout is released and dropped. (CPU-side logic; the checks are
+    injected: no GPU here.)"""
+    from zipserv_vllm.kernels import selfcheck
+    from zipserv_vllm.vllm_plugin.config import ZipServConfig
+
+    monkeypatch.delenv("ZIPSERV_GPU_LAYOUT", raising=False)
+    monkeypatch.delenv("ZIPSERV_MODE", raising=False)
+    checked = []
+    fails = {"cuda:0": ["packed tile_n=8 split=1 (general X): wrong outputs"], "cuda:1": []}
+    monkeypatch.setattr(selfcheck, "first_contact", lambda dev: checked.append(dev) or fails[dev])
+
+    cfg = ZipServConfig(prefer="speed", mode="fast")
+    assert (cfg.mode, cfg.gpu_layout) == ("fast", "bytesplit")
+    released = []
+    cfg.__dict__["_tuner_obj"] = type("T", (), {"time_fn": type("F", (), {"release": lambda self: released.append(1)})()})()
+    cfg._first_contact(["cuda:0"])
+    assert (cfg.mode, cfg.gpu_layout) == ("fast", "v1") and released == [1] and "_tuner_obj" not in cfg.__dict__
+    cfg._first_contact(["cuda:0"])  # judged once
+    assert checked == ["cuda:0"]
+
+    ok = ZipServConfig(prefer="speed", mode="fast")
+    ok.__dict__["_tuner_obj"] = kept = object()
+    ok._first_contact(["cuda:1"])
+    assert (ok.mode, ok.gpu_layout) == ("fast", "bytesplit") and ok.__dict__["_tuner_obj"] is kept
+
+    exact = ZipServConfig(prefer="speed", mode="exact")
+    exact._first_contact(["cuda:0"])  # exact mode runs no check
+    assert checked == ["cuda:0", "cuda:1"]
+    assert ZipServConfig().gpu_layout == "v1"  # prefer: memory keeps v1 on a GPU
+    assert "_contacted" not in pickle.loads(pickle.dumps(cfg)).__getstate__()

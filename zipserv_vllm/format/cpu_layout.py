@@ -137,7 +137,7 @@ class PackedTensor(MatrixArrays):
         else:
             exc = self.exc[:0]
         return PackedTensor((rows, self.shape[1]), self.tiles[idx].contiguous(), self.luts[idx].contiguous(),
-                            new_start, exc.contiguous())
+                            new_start.to(self.exc_start.device), exc.contiguous())
 
 
 # ------------------------------------------------------------- reference codec

@@ -91,7 +91,10 @@ class Tuning:
         return None if b is None or not bf else b[1] / bf
 
     def rules(self) -> dict[tuple[int, int], list[tuple[int, Plan]]]:
-        """Measured rules for ``dispatch.set_measured``: each bucket covers N up to itself."""
+        """Measured rules for ``dispatch.set_measured``: each bucket covers N up to itself, and the
+        last one every larger N, unless it is the byte-split kernel ("packed"), whose cost grows
+        with N (a weight pass per 16 columns): past its largest measured N the cost model decides
+        (where a cut budget left the large buckets unmeasured, prefill must not inherit a decode plan)."""
         out = {}
         for (m, k), by_n in self.times.items():
             rows = []
@@ -100,7 +103,8 @@ class Tuning:
                 if b is not None:
                     rows.append((n, plan_from_key(b[0], n)))
             if rows:
-                rows[-1] = (1 << 30, rows[-1][1])
+                if rows[-1][1].path != "packed":
+                    rows[-1] = (1 << 30, rows[-1][1])
                 out[(m, k)] = rows
         return out
 

@@ -169,8 +169,8 @@ _packed_gemm_python = _PYTHON_IMPLS["packed_gemm"]  # (the function; the C++ CPU
 
 def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,
            mode: str = "fast") -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for W compressed (CompressedTensor) or CPU-packed
-    (PackedTensor), by whichever kernel fits the device."""
+    """``F.linear(x, W, bias)`` for W compressed (CompressedTensor, TCA-TBE v1) or in the
+    byte-split layout (PackedTensor), by whichever kernel fits the device."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if x.shape[-1] != ct.shape[1]:

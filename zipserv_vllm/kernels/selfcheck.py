@@ -144,7 +144,7 @@ class DecodeError(RuntimeError):
     """The decompress kernel itself is wrong on this device: no mode can serve from it."""
 
 
-def engine_mode(mode: str, devices, check=first_contact, layout: str = "v1") -> tuple[str, str | None, str]:
+def engine_mode(mode: str, devices, check=None, layout: str = "v1") -> tuple[str, str | None, str]:
     """(mode, the one line to log or None, layout) an engine serves with once its CUDA ``devices``
     had first contact. Fast mode with a failing TCA-TBE GEMM instance becomes exact mode (decompress
     + cuBLAS, bit-identical to BF16; layers stay v1); a failing decompress kernel raises
@@ -153,6 +153,7 @@ def engine_mode(mode: str, devices, check=first_contact, layout: str = "v1") -> 
     are only reported. Exact mode runs no check beyond what loading does."""
     if mode != "fast":
         return mode, None, layout
+    check = check or first_contact  # (looked up per call)
     notes = []
     for dev in devices:
         every = check(dev)

@@ -111,12 +111,13 @@ class ZipServConfig(QuantizationConfig):
         self._executed = False
         self._finished = False
         self._moe_pending = 0  # MoE layers created but not yet compressed (finish_loading waits for them)
+        self._contacted: set[str] = set()  # CUDA devices whose first contact decided mode and layout
 
     # vLLM pickles the config from the front-end to the workers: ship settings, not state.
     def __getstate__(self):
         d = dict(self.__dict__)
         for k in ("_states", "_arenas", "_executed", "_finished", "_unmanaged", "_plain", "_moe_pending",
-                  "_engine_extra"):
+                  "_engine_extra", "_contacted", "_tuner_obj"):
             d.pop(k, None)
         return d
 
@@ -307,27 +308,38 @@ class ZipServConfig(QuantizationConfig):
 
         errors.clear_mine()  # this process's load went well: its earlier messages no longer apply
 
-    def _first_contact(self) -> None:
+    def _first_contact(self, devices=None) -> None:
         """Fast mode on CUDA weights: every kernel instance checked exactly once per device before it
         serves (kernels/selfcheck.py); a failing GEMM instance switches this engine to exact mode with
         one warning, a failing decompress kernel refuses the load, a failing byte-split kernel keeps
-        the layers in v1 (where the engine was to hold the byte-split layout)."""
+        the layers in v1 (where the engine was to hold the byte-split layout). ``devices``: those of
+        the layers' CUDA parts by default; the tuner names its device before it times any kernel.
+        A device is judged once; a change of mode or layout drops a tuner made for the old one."""
         from ..format import CompressedTensor
 
-        devices = sorted({str(p.sm.device) for st in self._states if st.layer is not None for p in st.parts
-                          if isinstance(p, CompressedTensor) and p.sm.is_cuda})
-        if not devices:
+        if devices is None:
+            devices = {str(p.sm.device) for st in self._states if st.layer is not None for p in st.parts
+                       if isinstance(p, CompressedTensor) and p.sm.is_cuda}
+        devices = sorted(set(devices) - self._contacted)
+        if not devices or self.mode != "fast":
             return
+        self._contacted.update(devices)
         # Runs only with CUDA weights (no GPU here); the checks and the mode decision are tested on the
         # CPU with the SIMT harness's kernels and planted faults (tests/simt/test_selfcheck.py).
         from ..kernels import selfcheck
 
+        before = (self.mode, self.gpu_layout)
         try:
             self.mode, line, self.gpu_layout = selfcheck.engine_mode(self.mode, devices, layout=self.gpu_layout)
         except selfcheck.DecodeError as exc:
             raise loading.ZipServLoadError(str(exc)) from None
         if line:
             logger.warning(line)
+        if (self.mode, self.gpu_layout) != before:
+            tuner = self.__dict__.pop("_tuner_obj", None)
+            release = getattr(getattr(tuner, "time_fn", None), "release", None)
+            if release is not None:
+                release()
 
     # ------------------------------------------------------------ dispatcher
     def _tuner(self):
@@ -363,6 +375,7 @@ class ZipServConfig(QuantizationConfig):
                     from ..kernels import cuda
 
                     dev = torch.device("cuda", torch.cuda.current_device())
+                    self._first_contact([str(dev)])  # (no kernel is timed before it passed)
                     layout = self._tuned_gpu_layout()
                     cache = autotune.cache_file(cuda.device_info(dev)[0], cuda.driver_version(), __version__, layout)
                     tuner = autotune.Tuner(autotune.cuda_time_fn(dev, layout=layout), max_n, decode_n, cache,

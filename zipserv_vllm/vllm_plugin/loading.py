@@ -74,12 +74,12 @@ def uses_packed(device: torch.device, mode: str, gpu_layout: str = "v1") -> bool
     device = torch.device(device)
     if mode != "fast":
         return False
-    if device.type == "cuda":
-        from ..kernels import cuda
-
-        return gpu_layout == "bytesplit" and cuda.REGISTERED
     from ..kernels import cpu as cpu_kernels
 
+    if device.type == "cuda":  # (the repack packs on the CPU: the native packer is needed too)
+        from ..kernels import cuda
+
+        return gpu_layout == "bytesplit" and cuda.REGISTERED and cpu_kernels.available()
     return device.type == "cpu" and cpu_layout() == "bytesplit" and cpu_kernels.available()
 
 
@@ -767,9 +767,17 @@ def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bo
 
 
 def stays_v1(state: LayerState, device) -> bool:
-    """Whether :func:`repack` leaves ``state`` in v1 on ``device``: an embedding table on a GPU
-    (its gather kernel reads v1; on the CPU the packed embedding kernel reads the byte-split layout)."""
-    return torch.device(device).type == "cuda" and state.kind == "embedding"
+    """Whether :func:`repack` leaves ``state`` in v1 on ``device``: an input embedding table on a GPU
+    (its gather kernel reads v1; on the CPU the packed embedding kernel reads the byte-split layout).
+    An untied lm_head (``ParallelLMHead``, which only ever multiplies) is repacked like a linear
+    layer; a tied one shares the embedding's parts."""
+    if torch.device(device).type != "cuda" or state.kind != "embedding":
+        return False
+    from . import compat
+
+    head = compat.find("ParallelLMHead", required=False)
+    layer = state.layer
+    return not (head is not None and layer is not None and isinstance(layer, head))
 
 
 def repack(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
@@ -805,7 +813,13 @@ def repack(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
             if isinstance(part, CompressedTensor) and keeps_v1(st):
                 tables.append(store_compressed(new, part))
                 continue
-            pt = part if isinstance(part, PackedTensor) else cpu_kernels.pack(part)
+            if isinstance(part, PackedTensor):
+                pt = part
+            elif part.device.type == "cuda":  # decoded on the GPU (its decompress kernel), packed on the CPU
+                pt = cpu_kernels.pack(torch.ops.zipserv.decompress(part.bitmaps, part.base, part.offsets, part.sm,
+                                                                   part.fb, *part.shape).cpu())
+            else:
+                pt = cpu_kernels.pack(part)
             tables.append(new.store(pt.arrays()))
             del pt
         st.parts = []

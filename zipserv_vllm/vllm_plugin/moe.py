@@ -8,7 +8,7 @@ then calls the quant method's ``apply`` (docs/VLLM-MOE-NOTES.md).
 :class:`ZipServMoEMethod` keeps vLLM's unquantized method's BF16 weights and
 expert weight loader (which does the checkpoint names, the tensor-parallel
 slices and the expert ids) and holds every local expert's ``w13`` and ``w2`` in
-the paged arena, one TCA-TBE v1 matrix each (or the CPU byte-split layout in
+the paged arena, one TCA-TBE v1 matrix each (or the byte-split layout in
 CPU fast mode), dropping the BF16 copies once loaded. ``apply`` decodes the
 experts and hands them, through vLLM's own weight preparation (padding,
 prepacking), to vLLM's own expert kernel, so the result is bit-identical to the
