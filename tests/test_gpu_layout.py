@@ -131,15 +131,15 @@ def test_gpu_layout_setting(monkeypatch):
 
 def test_which_devices_hold_the_byte_split_layout(monkeypatch):
     from zipserv_vllm.kernels import cuda
-    from zipserv_vllm.vllm_plugin import loading
+    from zipserv_vllm.vllm_plugin import layouts
 
     gpu = torch.device("cuda", 0)
-    assert not loading.uses_packed(gpu, "fast")  # a GPU engine's default: v1
-    assert not loading.uses_packed(gpu, "exact", "bytesplit")  # exact mode never repacks
+    assert not layouts.uses_packed(gpu, "fast")  # a GPU engine's default: v1
+    assert not layouts.uses_packed(gpu, "exact", "bytesplit")  # exact mode never repacks
     monkeypatch.setattr(cuda, "REGISTERED", True)
-    assert loading.uses_packed(gpu, "fast", "bytesplit")
+    assert layouts.uses_packed(gpu, "fast", "bytesplit")
     monkeypatch.setattr(cuda, "REGISTERED", False)  # no CUDA kernels built: the layers stay v1
-    assert not loading.uses_packed(gpu, "fast", "bytesplit")
+    assert not layouts.uses_packed(gpu, "fast", "bytesplit")
 
 
 @pytest.mark.skipif(not __import__("zipserv_vllm.kernels.cuda", fromlist=["REGISTERED"]).REGISTERED,
@@ -154,15 +154,15 @@ def test_cuda_kernels_are_registered_on_the_packed_ops():
 
 
 def test_a_gpu_repack_leaves_the_embedding_in_v1():
-    from zipserv_vllm.vllm_plugin import loading
+    from zipserv_vllm.vllm_plugin import layouts, loading
 
     def state(kind):
         return loading.LayerState(prefix=kind, kind=kind, rows=64, cols=64, device=torch.device("cpu"),
                                   expected_shards=[], orig_loader=None, layer_ref=None)
 
-    assert loading.stays_v1(state("embedding"), "cuda:0")
-    assert not loading.stays_v1(state("linear"), "cuda:0")
-    assert not loading.stays_v1(state("embedding"), "cpu")  # the CPU packs it (packed_embedding)
+    assert layouts.stays_v1(state("embedding"), "cuda:0")
+    assert not layouts.stays_v1(state("linear"), "cuda:0")
+    assert not layouts.stays_v1(state("embedding"), "cpu")  # the CPU packs it (packed_embedding)
     # an untied lm_head (the embedding method's other layer) only multiplies: repacked like a linear layer
     from zipserv_vllm.vllm_plugin import compat
 
@@ -170,4 +170,4 @@ def test_a_gpu_repack_leaves_the_embedding_in_v1():
     head = head_cls.__new__(head_cls)  # (an instance without vLLM's distributed set-up: only its class matters)
     st = state("embedding")
     st.layer_ref = weakref.ref(head)
-    assert not loading.stays_v1(st, "cuda:0")
+    assert not layouts.stays_v1(st, "cuda:0")

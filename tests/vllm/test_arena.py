@@ -133,14 +133,14 @@ def test_plan_refuses_unaligned():
 
 
 def test_repack_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
-    """CPU fast mode's repack (loading.repack): every layer ends up in the byte-split
+    """CPU fast mode's repack (layouts.repack): every layer ends up in the byte-split
     layout, bit for bit, and each v1 page is freed as soon as no layer left needs it."""
     from zipserv_vllm.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
     from zipserv_vllm.format.cpu_layout import PackedTensor
-    from zipserv_vllm.vllm_plugin import loading
+    from zipserv_vllm.vllm_plugin import layouts, loading
 
     old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
     weights, states = [], []
@@ -160,13 +160,13 @@ def test_repack_releases_each_v1_page_once_its_layers_are_repacked(monkeypatch):
     real_release = old.release
     monkeypatch.setattr(old, "release", lambda i: (released.append((i, sum(s.arena is new for s in states))),
                                                     real_release(i)))
-    assert loading.repack(states, old, new) == 6
+    assert layouts.repack(states, old, new) == 6
     assert old.num_pages == 0 and len(released) == pages_before
     assert released[0][1] < 6  # the first page went before the last layer was repacked
     for w, st in zip(weights, states):
         assert st.arena is new and all(isinstance(p, PackedTensor) for p in st.parts)
         assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
-    assert loading.repack(states, new, PagedArena()) == 0  # already packed: nothing to do
+    assert layouts.repack(states, new, PagedArena()) == 0  # already packed: nothing to do
 
 
 def test_repack_moves_layers_already_packed_beside_v1_ones():
@@ -177,7 +177,7 @@ def test_repack_moves_layers_already_packed_beside_v1_ones():
     if not cpu_kernels.available():
         pytest.skip(cpu_kernels.unavailable_reason())
     from zipserv_vllm.format.cpu_layout import PackedTensor
-    from zipserv_vllm.vllm_plugin import loading
+    from zipserv_vllm.vllm_plugin import layouts, loading
 
     old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
     weights, states = [], []
@@ -186,13 +186,13 @@ def test_repack_moves_layers_already_packed_beside_v1_ones():
         st = loading.LayerState(prefix=f"l{i}", kind="linear", rows=128, cols=200, device=torch.device("cpu"),
                                 expected_shards=[None])
         if i % 2:  # packed at load
-            loading.pack_layer(st, w, old, packed=True)
+            layouts.pack_layer(st, w, old, packed=True)
         else:
             st.arena, st.tables, st.part_shapes = old, [store_compressed(old, compress_tensor(w))], [(128, 200)]
             st.bind()
         weights.append(w)
         states.append(st)
-    assert loading.repack(states, old, new) == 2  # the two v1 layers were repacked
+    assert layouts.repack(states, old, new) == 2  # the two v1 layers were repacked
     assert old.num_pages == 0
     for w, st in zip(weights, states):
         assert st.arena is new and isinstance(st.parts[0], PackedTensor)
@@ -264,7 +264,7 @@ def test_cpu_pages_are_backed_by_huge_pages(fill):
 
 
 def test_repack_copies_the_layers_that_stay_v1(monkeypatch):
-    """On a GPU the input embedding stays v1 (loading.stays_v1): the repack copies its v1 arrays into
+    """On a GPU the input embedding stays v1 (layouts.stays_v1): the repack copies its v1 arrays into
     the new arena as they are, bit for bit, and repacks the rest (checked here on the CPU with the
     GPU's rule in place)."""
     from zipserv_vllm.kernels import cpu as cpu_kernels
@@ -274,9 +274,9 @@ def test_repack_copies_the_layers_that_stay_v1(monkeypatch):
     from zipserv_vllm.codec import decompress_tensor
     from zipserv_vllm.format import CompressedTensor
     from zipserv_vllm.format.cpu_layout import PackedTensor
-    from zipserv_vllm.vllm_plugin import loading
+    from zipserv_vllm.vllm_plugin import layouts, loading
 
-    monkeypatch.setattr(loading, "stays_v1", lambda st, device: st.kind == "embedding")
+    monkeypatch.setattr(layouts, "stays_v1", lambda st, device: st.kind == "embedding")
     old, new = PagedArena(page_bytes=1 << 16, align=256), PagedArena(page_bytes=1 << 16, align=256)
     weights, states = [], []
     for i, kind in enumerate(("embedding", "linear", "linear")):
@@ -287,7 +287,7 @@ def test_repack_copies_the_layers_that_stay_v1(monkeypatch):
         st.bind()
         weights.append(w)
         states.append(st)
-    assert loading.repack(states, old, new) == 2  # the two linear layers
+    assert layouts.repack(states, old, new) == 2  # the two linear layers
     assert old.num_pages == 0
     emb, *lin = states
     assert emb.arena is new and isinstance(emb.parts[0], CompressedTensor)
@@ -296,4 +296,4 @@ def test_repack_copies_the_layers_that_stay_v1(monkeypatch):
         assert st.arena is new and isinstance(st.parts[0], PackedTensor)
         assert torch.equal(_bits(cpu_kernels.packed_decode(st.parts[0])), _bits(w))
     # only v1 embeddings left: nothing to repack
-    assert loading.repack([emb], new, PagedArena()) == 0
+    assert layouts.repack([emb], new, PagedArena()) == 0

@@ -140,7 +140,7 @@ def test_fast_mode_with_no_tokens(vllm_env, monkeypatch, native):
     import torch
 
     from zipserv_vllm.kernels import cpu as cpu_kernels
-    from zipserv_vllm.vllm_plugin import loading, moe
+    from zipserv_vllm.vllm_plugin import layouts, loading, moe
     from zipserv_vllm.vllm_plugin.arena import PagedArena
 
     if native and not (cpu_kernels.available() and cpu_kernels.bf16_supported()):
@@ -158,7 +158,7 @@ def test_fast_mode_with_no_tokens(vllm_env, monkeypatch, native):
             st = loading.LayerState(prefix=f"x.{e}.{which}", kind="linear", rows=r, cols=c,
                                     device=torch.device("cpu"), expected_shards=[])
             weights[which, e] = (torch.randn(r, c, generator=gen) * 0.1).to(torch.bfloat16)
-            loading.pack_layer(st, weights[which, e], arena, packed=True)
+            layouts.pack_layer(st, weights[which, e], arena, packed=True)
             states.append(st)
     layer = SimpleNamespace(apply_router_weight_on_input=False)
     layer.__dict__["_zs_moe_states"] = states

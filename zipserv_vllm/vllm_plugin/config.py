@@ -21,7 +21,7 @@ import torch
 
 from .. import settings
 from ..format import spec
-from . import compat, errors, loading, methods
+from . import compat, errors, layouts, loading, methods
 from ..format.cpu_layout import PackedTensor
 from .arena import DEFAULT_PAGE_BYTES, PagedArena
 from .log import logger
@@ -380,7 +380,7 @@ class ZipServConfig(QuantizationConfig):
                     cache = autotune.cache_file(cuda.device_info(dev)[0], cuda.driver_version(), __version__, layout)
                     tuner = autotune.Tuner(autotune.cuda_time_fn(dev, layout=layout), max_n, decode_n, cache,
                                            candidates=lambda n, m, k: dispatch.candidates(n, m, k, layout=layout))
-                elif loading.uses_packed(torch.device("cpu"), self.mode):
+                elif layouts.uses_packed(torch.device("cpu"), self.mode):
                     # CPU fast mode: time the byte-split kernels against vLLM's own BF16 kernel.
                     from ..kernels import cpu_dispatch
                     from .gemm import bf16_linear_factory
@@ -436,14 +436,14 @@ class ZipServConfig(QuantizationConfig):
         tuner.save()
 
     def _repack(self) -> int:
-        """Fast mode: v1 layers -> the byte-split layout (loading.repack) where the engine holds it
+        """Fast mode: v1 layers -> the byte-split layout (layouts.repack) where the engine holds it
         (CPU fast mode by default; GPU with gpu_layout bytesplit)."""
         total = 0
         for key, old in list(self._arenas.items()):
-            if not loading.uses_packed(old.device, self.mode, self.gpu_layout):
+            if not layouts.uses_packed(old.device, self.mode, self.gpu_layout):
                 continue
             new = self._new_arena(old.device)
-            n = loading.repack([s for s in self._states if s.layer is not None or s.tables], old, new)
+            n = layouts.repack([s for s in self._states if s.layer is not None or s.tables], old, new)
             if n:
                 self._arenas[key] = new
                 total += n

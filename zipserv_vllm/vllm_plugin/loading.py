@@ -18,14 +18,9 @@ Pre-compressed checkpoints follow "record first, execute later"
    layer by decoding the shards, letting vLLM's own weight loader place and
    narrow them, and re-encoding the rank's matrix (one log line).
 
-On the CPU in fast mode (with the ``_cpu_gemm`` extension, unless
-``ZIPSERV_CPU_LAYOUT=v1``), and on a GPU in fast mode when the engine holds the
-byte-split layout (``ZIPSERV_GPU_LAYOUT=bytesplit`` or ``prefer: speed``, its
-kernels having passed their first-contact check; linear layers only), the
-layers end up in the byte-split layout
-(``PackedTensor``, docs/FORMAT.md appendix A): packed at load straight from
-BF16, or repacked from v1 once loading is over (:func:`repack`), one
-layer at a time, each v1 page released as soon as no layer still needs it.
+Next door: :mod:`.weight_loaders` (the loaders of the placeholders: recording
+during the load, weight updates after it) and :mod:`.layouts` (which in-memory
+layout a device holds; pack at load and the repack into the byte-split layout).
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from ..format import CompressedTensor, FormatError, parse_meta, spec
 from ..format.cpu_layout import PackedTensor
 from .arena import PageTable, PagedArena
 from .log import logger
-from .tiles import TilePlan, compressed_from_table, store_compressed
+from .tiles import TilePlan, compressed_from_table
 
 WEIGHT = "weight"
 SUFFIXES = tuple(spec.SUFFIXES)  # zs_meta, zs_bitmaps, zs_base, zs_offsets, zs_sm, zs_fb: all required
@@ -51,7 +46,6 @@ VERIFY_MODES = settings.VERIFY_MODES  # ZIPSERV_VERIFY / quantization_config "ve
 # never warns about a dtype change (it would for every array of a uint8 placeholder).
 ARRAY_DTYPES = {"zs_meta": torch.int64, "zs_bitmaps": torch.int64, "zs_base": torch.uint8, "zs_offsets": torch.int64,
                 "zs_sm": torch.uint8, "zs_fb": torch.int16, "zs_crc": torch.int32, WEIGHT: torch.bfloat16}
-CPU_LAYOUTS = settings.CPU_LAYOUTS  # ZIPSERV_CPU_LAYOUT values; the first is the default
 
 
 NO_CHECKSUMS = "no checksums"    # LayerState.checked: a shard has no zs_crc (tiles mode)
@@ -60,27 +54,6 @@ NO_CRC_STORED = "no CRC stored"  # LayerState.checked: a shard's zs_meta has no 
 
 class ZipServLoadError(ValueError):
     """A checkpoint is incomplete, inconsistent or corrupt (message names the tensor)."""
-
-
-def cpu_layout() -> str:
-    """``ZIPSERV_CPU_LAYOUT``: the in-memory layout of CPU fast mode (default ``bytesplit``)."""
-    return settings.cpu_layout()
-
-
-def uses_packed(device: torch.device, mode: str, gpu_layout: str = "v1") -> bool:
-    """Whether layers on ``device`` are held in the byte-split layout: on the CPU in fast mode
-    (unless ``ZIPSERV_CPU_LAYOUT=v1``); on a GPU in fast mode when the engine's ``gpu_layout`` is
-    ``bytesplit`` and the CUDA kernels are built (linear layers only: see :func:`repack`)."""
-    device = torch.device(device)
-    if mode != "fast":
-        return False
-    from ..kernels import cpu as cpu_kernels
-
-    if device.type == "cuda":  # (the repack packs on the CPU: the native packer is needed too)
-        from ..kernels import cuda
-
-        return gpu_layout == "bytesplit" and cuda.REGISTERED and cpu_kernels.available()
-    return device.type == "cpu" and cpu_layout() == "bytesplit" and cpu_kernels.available()
 
 
 _PARTS_EPOCH = [0]
@@ -172,165 +145,6 @@ def _part_from_table(arena: PagedArena, table: PageTable, shape) -> CompressedTe
     return compressed_from_table(arena, table, shape)
 
 
-def recorder(state: LayerState, name: str) -> Callable:
-    """A weight_loader that records the checkpoint tensor (both call shapes, pitfall 13).
-
-    Once the layer is loaded, the same loader takes **weight updates** (vLLM's
-    ``reload_weights``, or ``model.load_weights`` from an RL trainer): see
-    :func:`update_layer`. vLLM's layer-wise reload first runs every loader on
-    meta parameters to count elements; those calls are ignored."""
-
-    def zipserv_record_loader(param, loaded_weight, shard_id=None):
-        if state.done:
-            return _update_once(state, name, loaded_weight, shard_id, param)
-        key = (shard_id, name)
-        if key in state.records:
-            raise ZipServLoadError(f"zipserv: {_ckpt_name(state, shard_id, name)} appears twice in the checkpoint")
-        state.records[key] = loaded_weight
-
-    return zipserv_record_loader
-
-
-def update_loader(state: LayerState) -> Callable:
-    """The weight_loader of a loaded layer's 0-size ``weight``: every call is an update."""
-
-    def zipserv_update_loader(param, loaded_weight, shard_id=None):
-        return _update_once(state, WEIGHT, loaded_weight, shard_id, param)
-
-    return zipserv_update_loader
-
-
-def refuse_arrays(state: LayerState) -> Callable:
-    """Loader of a pack-at-load layer's zs_* placeholders: such a layer takes BF16 updates only."""
-
-    def zipserv_refuse_loader(param, loaded_weight, shard_id=None):
-        raise errors_report(ZipServLoadError(
-            f"zipserv: {state.prefix or 'this layer'} was compressed while loading (--quantization zipserv on a BF16 "
-            "checkpoint): it takes BF16 weight updates, not a zipserv checkpoint's zs_* arrays; update it from "
-            "the BF16 checkpoint, or serve the zipserv checkpoint itself"))
-
-    return zipserv_refuse_loader
-
-
-def errors_report(exc):
-    from .errors import report
-
-    return report(exc)
-
-
-# Placeholders declare this many checkpoint elements, so that vLLM's layer-wise reload never
-# counts a compressed layer complete on its own: it hands every new tensor to the loaders
-# (which apply it at once) and finishes the layer in finalize_layerwise_reload.
-RELOAD_NUMEL = 1 << 62
-
-
-def _update_once(state: LayerState, name: str, loaded, shard_id, param) -> None:
-    """Apply an update the first time a tensor arrives. vLLM's layer-wise reload calls each
-    loader twice with the same tensor (first on meta parameters, to count elements; then
-    again when it finishes the layer); the second call is skipped."""
-    import weakref
-
-    seen = state.__dict__.setdefault("_seen", {})
-    ref = seen.get(id(loaded))
-    if ref is not None and ref() is loaded:
-        return None
-    seen[id(loaded)] = weakref.ref(loaded)
-    if getattr(param, "is_meta", False):
-        torch.empty(1).copy_(torch.zeros(1))  # one element for vLLM's count: the layer waits for finalize
-    return update_layer(state, name, loaded, shard_id)
-
-
-# -------------------------------------------------------------- weight updates
-def update_layer(state: LayerState, name: str, loaded, shard_id=None) -> None:
-    """Replace (part of) a loaded layer's weight: ``loaded`` is the new checkpoint tensor
-    of ``shard_id`` (BF16 ``weight``, or one ``zs_*`` array of a compressed one; the arrays
-    of a shard are gathered until all have arrived). The rank's weight is decoded,
-    vLLM's own loader places the new shard into it (q/k/v, gate/up, TP narrowing,
-    vocabulary padding), and the layer is encoded again into its arena; pages no
-    layer uses any more are freed. Outputs then equal a BF16 model given the same update."""
-    st = state.source()
-    if name != WEIGHT:
-        got = st.__dict__.setdefault("_update_arrays", {}).setdefault(shard_id, {})
-        got[name] = loaded
-        if not all(x in got for x in SUFFIXES):
-            return
-        arrays = st.__dict__["_update_arrays"].pop(shard_id)
-        ct = _shard_ct(st, shard_id, arrays)
-        try:
-            ct.validate(_ckpt_name(st, shard_id, "weight"))
-            check_tiles(ct, _ckpt_name(st, shard_id, "weight"))
-        except FormatError as exc:
-            raise _damaged(st, shard_id, exc) from None
-        loaded = decompress_tensor(ct)
-    if loaded.dtype != torch.bfloat16:
-        raise ZipServLoadError(f"zipserv: the update of {_ckpt_name(st, shard_id, 'weight')} is {loaded.dtype}, "
-                               "not bfloat16: a compressed layer takes BF16 weights")
-    if st.orig_loader is None or not (st.parts or st.bf16):
-        raise ZipServLoadError(f"zipserv: layer {st.prefix} cannot take weight updates (it was not loaded)")
-    from .methods import _full_weight
-
-    if st.bf16:  # kept BF16: vLLM's unquantized method holds it; stage the new values and re-run it
-        w = st.__dict__.get("_staging")
-        if w is None:
-            w = torch.nn.Parameter(torch.zeros(st.rows, st.cols, dtype=torch.bfloat16, device=st.device),
-                                   requires_grad=False)
-            w.output_dim, w.input_dim = 0, 1
-            st.__dict__["_staging"] = w
-    else:
-        w = torch.nn.Parameter(_full_weight(st).to(st.device), requires_grad=False)
-        w.output_dim, w.input_dim = 0, 1
-    for attr in ("is_sharded_weight",):
-        if hasattr(loaded, attr):
-            setattr(w, attr, getattr(loaded, attr))
-    if shard_id is None:
-        st.orig_loader(w, loaded.to(w.device))
-    else:
-        st.orig_loader(w, loaded.to(w.device), shard_id)
-    if st.bf16:
-        layer = st.layer
-        layer.weight = torch.nn.Parameter(w.data.clone(), requires_grad=False)
-        layer._zs_unq_done = False
-        layer.quant_method._bf16_process(layer)
-        return
-    reencode(st, w.data)
-
-
-def reencode(st: LayerState, w: torch.Tensor) -> None:
-    """Encode the rank's new BF16 weight ``w`` into ``st``'s arena in the layer's parts."""
-    packed = all(isinstance(p, PackedTensor) for p in st.parts)
-    tables, shapes, row = [], [], 0
-    for m, k in st.part_shapes:
-        part = w[row : row + m].detach().to("cpu").contiguous()
-        row += m
-        if packed:
-            from ..kernels import cpu as cpu_kernels
-
-            tables.append(st.arena.store(cpu_kernels.pack(part).arrays()))
-        else:
-            ct = compress_tensor(part)
-            if ct.device != st.arena.device:
-                ct = ct.to(st.arena.device)
-            tables.append(store_compressed(st.arena, ct))
-        shapes.append((m, k))
-    old_pages = {e.slot.page for t in st.tables for e in t.entries.values()}
-    st.parts = []
-    st.tables, st.part_shapes = tables, shapes
-    st.bind()
-    st.path = st.path if st.path.endswith("updated") else f"{st.path}, updated"
-    _release_unused(st.arena, old_pages)
-
-
-def _release_unused(arena: PagedArena, candidates: set[int]) -> None:
-    """Free the pages among ``candidates`` that no layer's table references any more."""
-    users = arena.__dict__.get("_zs_states", [])
-    used = {e.slot.page for s in users if s.arena is arena for t in s.tables for e in t.entries.values()}
-    for page in candidates - used:
-        arena.release(page)
-
-
-def ignore_loader(param, loaded_weight, shard_id=None):
-    """Loader for a tied lm_head's placeholders: the embedding's data is used."""
-    return None
 
 
 # --------------------------------------------------------------------- naming
@@ -341,7 +155,7 @@ def set_packed_mapping(mapping: dict[str, list[str]]) -> None:
     _PACKED.update(mapping or {})
 
 
-def _ckpt_name(state: LayerState, shard_id, suffix: str) -> str:
+def ckpt_name(state: LayerState, shard_id, suffix: str) -> str:
     """The checkpoint tensor name of (layer, shard, suffix), e.g. ``...k_proj.zs_sm``."""
     prefix = state.prefix or "<layer>"
     if state.ckpt_prefixes and shard_id in state.ckpt_prefixes:
@@ -462,7 +276,7 @@ def check_shards_arrived(state: LayerState) -> None:
     missing = [s for s in state.expected_shards if s not in arrived]
     if missing:
         raise ZipServLoadError(
-            f"zipserv: checkpoint tensor {_ckpt_name(state, missing[0], WEIGHT)} was never loaded, so layer "
+            f"zipserv: checkpoint tensor {ckpt_name(state, missing[0], WEIGHT)} was never loaded, so layer "
             f"{state.prefix} is only partly filled (it takes shards {list(state.expected_shards)}, got "
             f"{sorted(arrived, key=str)}); refusing to compress rows nothing was loaded into")
 
@@ -481,32 +295,32 @@ def _collect(state: LayerState) -> dict[Any, dict[str, torch.Tensor]]:
         if shard not in expected:
             name = next(iter(by_shard[shard]))
             raise ZipServLoadError(
-                f"zipserv: unexpected tensor {_ckpt_name(state, shard, name)} for layer {state.prefix} "
+                f"zipserv: unexpected tensor {ckpt_name(state, shard, name)} for layer {state.prefix} "
                 f"(expected shards {expected})")
     for shard in expected:
         got = by_shard.get(shard, {})
         zs = [s for s in SUFFIXES if s in got]
         if WEIGHT in got and zs:
             raise ZipServLoadError(
-                f"zipserv: {_ckpt_name(state, shard, WEIGHT)} is stored both uncompressed and compressed "
-                f"({', '.join(_ckpt_name(state, shard, s) for s in zs)})")
+                f"zipserv: {ckpt_name(state, shard, WEIGHT)} is stored both uncompressed and compressed "
+                f"({', '.join(ckpt_name(state, shard, s) for s in zs)})")
         if WEIGHT in got:
             continue
         missing = [s for s in SUFFIXES if s not in got]
         if missing:
             raise ZipServLoadError(
-                f"zipserv: checkpoint tensor {_ckpt_name(state, shard, missing[0])} is missing "
-                f"(layer {state.prefix} needs {', '.join(_ckpt_name(state, shard, s) for s in missing)})")
+                f"zipserv: checkpoint tensor {ckpt_name(state, shard, missing[0])} is missing "
+                f"(layer {state.prefix} needs {', '.join(ckpt_name(state, shard, s) for s in missing)})")
     return {s: by_shard[s] for s in expected}
 
 
-def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> CompressedTensor:
+def shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> CompressedTensor:
     """The shard's CompressedTensor over the checkpoint views, with light checks.
 
     Magic, version, dtypes and grid shapes are checked here; segment offsets are
     checked when the rank's tiles are selected and again on the rank's arrays,
     so a rank never reads other ranks' metadata just to validate it."""
-    meta_name = _ckpt_name(state, shard, "zs_meta")
+    meta_name = ckpt_name(state, shard, "zs_meta")
     meta = arrays["zs_meta"]
     if meta.dtype != torch.int64 or meta.dim() != 1 or meta.shape[0] not in spec.META_LENS:
         raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {meta_name}: must be int64 [{spec.META_LEN}] "
@@ -528,18 +342,18 @@ def _shard_ct(state: LayerState, shard, arrays: dict[str, torch.Tensor]) -> Comp
         t = arrays[suffix]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ZipServLoadError(
-                f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, suffix)}: must be {dtype} {list(shape)} "
+                f"zipserv: corrupt checkpoint tensor {ckpt_name(state, shard, suffix)}: must be {dtype} {list(shape)} "
                 f"for a [{m}, {k}] matrix, got {t.dtype} {list(t.shape)}")
     for suffix, dtype in (("zs_sm", torch.uint8), ("zs_fb", torch.int16)):
         t = arrays[suffix]
         if t.dtype != dtype or t.dim() != 1:
-            raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, suffix)}: "
+            raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {ckpt_name(state, shard, suffix)}: "
                                    f"must be 1-D {dtype}, got {t.dtype} {list(t.shape)}")
     return ct
 
 
-def _damaged(state: LayerState, shard, exc: Exception, name: str | None = None) -> ZipServLoadError:
-    name = name or _ckpt_name(state, shard, "zs_*")
+def damaged(state: LayerState, shard, exc: Exception, name: str | None = None) -> ZipServLoadError:
+    name = name or ckpt_name(state, shard, "zs_*")
     return ZipServLoadError(
         f"zipserv: checkpoint tensor {name} is damaged: {str(exc).split(': ', 1)[-1]}; "
         "re-download or re-compress the checkpoint (`zipserv verify DIR` lists every damaged tensor)")
@@ -556,7 +370,7 @@ def _check_full(state: LayerState, shard, ct: CompressedTensor, w: torch.Tensor 
 
     got = crc32_bytes(w)
     if got != (ct.crc32 & 0xFFFFFFFF):
-        raise _damaged(state, shard, FormatError(f"x: the decoded matrix's CRC-32 is {got:08x}, "
+        raise damaged(state, shard, FormatError(f"x: the decoded matrix's CRC-32 is {got:08x}, "
                                                  f"zs_meta says {ct.crc32 & 0xFFFFFFFF:08x}"))
     if state.checked != NO_CRC_STORED:  # a layer of several shards is "full" only if every shard was
         state.checked = "full"
@@ -584,17 +398,17 @@ def _generic_local_weight(state: LayerState, layer, shards: dict[Any, dict[str, 
         if WEIGHT in arrays:
             full = arrays[WEIGHT]
         else:
-            ct = _shard_ct(state, shard, arrays)
+            ct = shard_ct(state, shard, arrays)
             try:
-                ct.validate(_ckpt_name(state, shard, "weight"))
+                ct.validate(ckpt_name(state, shard, "weight"))
             except FormatError as exc:
                 raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor: {exc}") from None
             if verify != "none":
                 try:
-                    if check_tiles(ct, _ckpt_name(state, shard, "weight")):
+                    if check_tiles(ct, ckpt_name(state, shard, "weight")):
                         _mark_tiles_checked(state)
                 except FormatError as exc:
-                    raise _damaged(state, shard, exc) from None
+                    raise damaged(state, shard, exc) from None
                 _note_unchecked(state, ct, verify)
             full = decompress_tensor(ct)
             if verify == "full":
@@ -637,20 +451,20 @@ def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[Tile
     for shard, arrays in shards.items():
         if WEIGHT in arrays:
             continue
-        ct = cts[shard] = _shard_ct(state, shard, arrays)
+        ct = cts[shard] = shard_ct(state, shard, arrays)
         full, split = _layer_split(layer, state, shard)
         if full is None:
             fast, reason = False, f"{type(layer).__name__} shard {shard!r} has no tile-level split rule"
             continue
         if tuple(ct.shape) != tuple(full):
             raise ZipServLoadError(
-                f"zipserv: checkpoint tensor {_ckpt_name(state, shard, 'zs_meta')} says shape {list(ct.shape)}, "
+                f"zipserv: checkpoint tensor {ckpt_name(state, shard, 'zs_meta')} says shape {list(ct.shape)}, "
                 f"but layer {state.prefix} expects {list(full)}")
         if not _aligned(split, full):
             fast = False
             where = "; ".join(f"dim {d}, start {a}, length {n}" for d, a, n in (split if isinstance(split, list)
                                                                                   else [split]))
-            reason = (f"rank {layer.tp_rank}'s split of {_ckpt_name(state, shard, 'weight')} "
+            reason = (f"rank {layer.tp_rank}'s split of {ckpt_name(state, shard, 'weight')} "
                       f"({where}) is not on {spec.TILE}-element tile boundaries")
             continue
         if verify == "full":
@@ -659,11 +473,11 @@ def plan_layer(state: LayerState, verify: str = "tiles") -> TilePlan | list[Tile
             _note_unchecked(state, ct, verify)
         if fast:
             try:
-                label = _ckpt_name(state, shard, "zs_*")
+                label = ckpt_name(state, shard, "zs_*")
                 for sp in (split if isinstance(split, list) else [split]):
                     plans.append(TilePlan.select(ct, *sp, label=label) if sp else TilePlan.select(ct, label=label))
             except FormatError as exc:
-                raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {_ckpt_name(state, shard, 'weight')}: {exc}") from None
+                raise ZipServLoadError(f"zipserv: corrupt checkpoint tensor {ckpt_name(state, shard, 'weight')}: {exc}") from None
     if fast:
         plans = join_rows(plans)
         if sum(p.shape[0] for p in plans) > state.rows or any(p.shape[1] != state.cols for p in plans):
@@ -719,7 +533,7 @@ def load_plans(planned: list[tuple[LayerState, list[TilePlan]]], arenas: Callabl
                     _mark_tiles_checked(st)
             except FormatError as exc:
                 tile = getattr(exc, "tile", None)
-                raise _damaged(st, None, exc, p.source_of(tile[0]) if tile else None) from None
+                raise damaged(st, None, exc, p.source_of(tile[0]) if tile else None) from None
         st.bind()
         for part in st.parts:
             try:
@@ -738,95 +552,3 @@ def finish_bf16(state: LayerState, w: torch.Tensor) -> None:
     state.bf16_reason = state.bf16_reason or "stored uncompressed in the checkpoint"
     state.records.clear()
     state.done = True
-
-
-def pack_layer(state: LayerState, w: torch.Tensor, arena: PagedArena, packed: bool = False) -> None:
-    """Compress the rank's BF16 weight ``w`` into ``arena`` (pack at load); with
-    ``packed``, into the CPU byte-split layout instead of v1."""
-    bf16_bytes = w.numel() * w.element_size()
-    if packed:
-        from ..kernels import cpu as cpu_kernels
-
-        pt = cpu_kernels.pack(w.detach().to("cpu"))
-        if pt.nbytes >= bf16_bytes:
-            raise ValueError(f"its compressed form would not be smaller ({pt.bits_per_weight:.1f} bits per weight)")
-        state.tables = [arena.store(pt.arrays())]
-        state.part_shapes = [tuple(pt.shape)]
-    else:
-        ct = compress_tensor(w.detach().to("cpu"))
-        if ct.nbytes >= bf16_bytes:
-            raise ValueError(f"its compressed form would not be smaller ({ct.bits_per_weight:.1f} bits per weight)")
-        if ct.device != arena.device:
-            ct = ct.to(arena.device)
-        state.tables = [store_compressed(arena, ct)]
-        state.part_shapes = [tuple(ct.shape)]
-    state.arena = arena
-    state.bind()
-    state.path = "packed"
-    state.done = True
-
-
-def stays_v1(state: LayerState, device) -> bool:
-    """Whether :func:`repack` leaves ``state`` in v1 on ``device``: an input embedding table on a GPU
-    (its gather kernel reads v1; on the CPU the packed embedding kernel reads the byte-split layout).
-    An untied lm_head (``ParallelLMHead``, which only ever multiplies) is repacked like a linear
-    layer; a tied one shares the embedding's parts."""
-    if torch.device(device).type != "cuda" or state.kind != "embedding":
-        return False
-    from . import compat
-
-    head = compat.find("ParallelLMHead", required=False)
-    layer = state.layer
-    return not (head is not None and layer is not None and isinstance(layer, head))
-
-
-def repack(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
-    """Repack every v1 part of ``states`` held in ``old`` into ``new`` in the
-    byte-split layout, one layer at a time; each page of ``old`` is released as
-    soon as no layer left to repack uses it, so the peak stays near the final
-    size plus a page. Returns the number of layers repacked. On a GPU the
-    embedding tables stay v1 (the gather kernel reads TCA-TBE v1), copied as
-    they are; the parts are packed on the CPU (kernels.cpu.pack)."""
-    from ..kernels import cpu as cpu_kernels
-
-    def keeps_v1(st: LayerState) -> bool:
-        return stays_v1(st, old.device)
-
-    def pages(st: LayerState) -> set[int]:
-        return {e.slot.page for t in st.tables for e in t.entries.values()}
-
-    held = [st for st in states if st.arena is old and st.tables]
-    count = sum(1 for st in held if not keeps_v1(st) and not all("tiles" in t.entries for t in st.tables))
-    if not count:
-        return 0
-    # Layers already in the byte-split layout (packed at load, e.g. MoE experts beside v1 layers of a
-    # pre-compressed checkpoint) move along, copied as they are: ``old`` is retired as a whole.
-    users: dict[int, int] = {}  # layers (repacked or not) with arrays in each page
-    for st in held:
-        for page in pages(st):
-            users[page] = users.get(page, 0) + 1
-    todo = sorted(held, key=lambda st: min(e.slot.page for t in st.tables for e in t.entries.values()))
-    for st in todo:
-        used = pages(st)
-        tables = []
-        for part in st.parts:
-            if isinstance(part, CompressedTensor) and keeps_v1(st):
-                tables.append(store_compressed(new, part))
-                continue
-            if isinstance(part, PackedTensor):
-                pt = part
-            elif part.device.type == "cuda":  # decoded on the GPU (its decompress kernel), packed on the CPU
-                pt = cpu_kernels.pack(torch.ops.zipserv.decompress(part.bitmaps, part.base, part.offsets, part.sm,
-                                                                   part.fb, *part.shape).cpu())
-            else:
-                pt = cpu_kernels.pack(part)
-            tables.append(new.store(pt.arrays()))
-            del pt
-        st.parts = []
-        st.tables, st.arena = tables, new
-        st.bind()
-        for page in used:
-            users[page] -= 1
-            if users[page] == 0:
-                old.release(page)
-    return count

@@ -39,7 +39,7 @@ from ..kernels import embedding as _embedding_op
 from ..kernels import ops
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
-from . import compat, errors, loading
+from . import compat, errors, layouts, loading, weight_loaders
 from .gemm import exact_gemm, note_shape
 from .log import logger
 
@@ -147,8 +147,8 @@ class _ZipServMethodBase:
         for name in (*loading.ALL_SUFFIXES, loading.WEIGHT):
             p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
             layer.register_parameter(name, p)
-            set_weight_attrs(p, {"weight_loader": loading.recorder(st, name),
-                                 "weight_loader_numel": loading.RELOAD_NUMEL})
+            set_weight_attrs(p, {"weight_loader": weight_loaders.recorder(st, name),
+                                 "weight_loader_numel": weight_loaders.RELOAD_NUMEL})
         st.device = layer.weight.device
 
     def _create_online(self, layer, rows, cols, extra) -> None:
@@ -165,7 +165,7 @@ class _ZipServMethodBase:
         for name in loading.ALL_SUFFIXES:
             p = Parameter(torch.empty(0, dtype=loading.ARRAY_DTYPES[name]), requires_grad=False)
             layer.register_parameter(name, p)
-            set_weight_attrs(p, {"weight_loader": loading.refuse_arrays(st)})
+            set_weight_attrs(p, {"weight_loader": weight_loaders.refuse_arrays(st)})
         initialize_online_processing(layer)
 
     # ---------------------------------------------------------- processing
@@ -177,7 +177,7 @@ class _ZipServMethodBase:
             # vLLM's layer-wise reload materialised this pack-at-load layer's BF16 weight and
             # loaded the new values into it: encode them, and give the layer its placeholder back.
             loading.check_shards_arrived(st)  # a reload of some shards only would leave rows unset
-            loading.reencode(st, w.data)
+            weight_loaders.reencode(st, w.data)
             self._placeholder(layer, st, w)
             return
         if st.done:
@@ -205,8 +205,8 @@ class _ZipServMethodBase:
             if reason:  # the measuring dispatcher's prefer=speed
                 logger.info("zipserv: %s kept BF16 (%s)", st.prefix, reason)
                 raise ValueError(reason)
-            loading.pack_layer(st, w.data, self.config.arena(w.device),
-                               packed=loading.uses_packed(w.device, self.config.mode))
+            layouts.pack_layer(st, w.data, self.config.arena(w.device),
+                               packed=layouts.uses_packed(w.device, self.config.mode))
         except (TypeError, ValueError) as exc:
             st.bf16, st.done, st.path, st.bf16_reason = True, True, "bf16", str(exc)
             self._bf16_process(layer)
@@ -217,7 +217,7 @@ class _ZipServMethodBase:
     def _placeholder(layer, st: loading.LayerState, w) -> None:
         """The loaded layer's 0-size ``weight``: its loader takes weight updates."""
         layer.weight = Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
-        set_weight_attrs(layer.weight, {"weight_loader": loading.update_loader(st)})
+        set_weight_attrs(layer.weight, {"weight_loader": weight_loaders.update_loader(st)})
 
     def _bf16_process(self, layer) -> None:
         raise NotImplementedError
@@ -353,7 +353,7 @@ class ZipServEmbeddingMethod(_ZipServMethodBase, QuantizeMethodBase):
                 delattr(layer, name)
         p = Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         layer.register_parameter("weight", p)
-        set_weight_attrs(p, {"weight_loader": loading.ignore_loader})
+        set_weight_attrs(p, {"weight_loader": weight_loaders.ignore_loader})
         return layer
 
 

@@ -50,7 +50,7 @@ from torch.nn import Parameter
 from ..codec import check_tiles
 from ..format import spec
 from ..kernels import ops
-from . import compat, loading
+from . import compat, layouts, loading, weight_loaders
 from .log import logger
 
 UnquantizedFusedMoEMethod = compat.find("UnquantizedFusedMoEMethod")
@@ -326,7 +326,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             for (e, shard) in layer.__dict__.get(_RECORDS, {}):
                 self._decode_into(layer, e, shard)
             for arena in {id(st.arena): st.arena for st in states if st.arena is not None}.values():
-                loading._release_unused(arena, {x.slot.page for st in states if st.arena is arena
+                weight_loaders.release_unused(arena, {x.slot.page for st in states if st.arena is arena
                                                 for t in st.tables for x in t.entries.values()})
             layer._zs_moe_plain = True
             self.zs_config.note_plain(self.zs_prefix or "<experts>", why)
@@ -349,7 +349,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         records = layer.__dict__.get(_RECORDS, {})
         arena = self.zs_config.arena(w13.device)
-        packed = loading.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
+        packed = layouts.uses_packed(w13.device, self.zs_config.mode)  # CPU fast mode: byte-split layout
         planned = []
         for which, w in (("w13", w13), ("w2", w2)):
             shards = ("w1", "w3") if which == "w13" else ("w2",)
@@ -369,7 +369,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     bad = [c for c in seen if c not in ("tiles", "full")]
                     st.checked = bad[0] if bad else ("full" if all(c == "full" for c in seen) else "tiles")
                 try:
-                    loading.pack_layer(st, w[e], arena, packed=packed)
+                    layouts.pack_layer(st, w[e], arena, packed=packed)
                 except ValueError as exc:
                     raise _NotSmaller(f"{st.prefix}: {exc}") from None
                 st.path = "packed" if not any((e, sh) in records for sh in shards) else "re-encoded"
@@ -391,18 +391,18 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
         leaves those to the rank's own tiles: TilePlan.select and copy_into check them)."""
         from ..format import FormatError
 
-        ct = loading._shard_ct(st, shard, layer.__dict__[_RECORDS][(e, shard)])
+        ct = loading.shard_ct(st, shard, layer.__dict__[_RECORDS][(e, shard)])
         hidden = getattr(self.moe, "hidden_dim_unpadded", None) or layer.w2_weight.shape[1]
         inter = getattr(self.moe, "intermediate_size_per_partition_unpadded", None) or layer.w2_weight.shape[2]
         tp = self.moe.moe_parallel_config.tp_size
         want = (hidden, inter * tp) if shard == "w2" else (inter * tp, hidden)
         if tuple(ct.shape) != want:
             raise loading.ZipServLoadError(
-                f"zipserv: checkpoint tensor {loading._ckpt_name(st, shard, 'zs_meta')} says shape {list(ct.shape)}, "
+                f"zipserv: checkpoint tensor {loading.ckpt_name(st, shard, 'zs_meta')} says shape {list(ct.shape)}, "
                 f"but {self.zs_prefix} expects {list(want)} for every expert's {shard}")
         if not whole:
             return ct
-        name = loading._ckpt_name(st, shard, "weight")
+        name = loading.ckpt_name(st, shard, "weight")
         try:
             ct.validate(name)
             if self.zs_config.verify != "none":
@@ -410,7 +410,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     loading._mark_tiles_checked(st)
                 loading._note_unchecked(st, ct, self.zs_config.verify)
         except FormatError as exc:
-            raise loading._damaged(st, shard, exc) from None
+            raise loading.damaged(st, shard, exc) from None
         return ct
 
     def _tile_plans(self, layer, st: loading.LayerState, e: int, shards) -> list | None:
@@ -428,18 +428,18 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
             local = ct.shape[dim] // tp
             split = (dim, rank * local, local) if tp > 1 else None
             if not loading._aligned(split, ct.shape):
-                layer.__dict__.setdefault("_zs_moe_offtile", (loading._ckpt_name(st, sh, "weight"), dim, rank * local,
+                layer.__dict__.setdefault("_zs_moe_offtile", (loading.ckpt_name(st, sh, "weight"), dim, rank * local,
                                                               local, rank))
                 return None
             if self.zs_config.verify == "full":
                 loading._check_full(st, sh, ct)
             loading._note_unchecked(st, ct, self.zs_config.verify)  # copy_into checks only zs_crc'd tiles
             try:
-                label = loading._ckpt_name(st, sh, "zs_*")
+                label = loading.ckpt_name(st, sh, "zs_*")
                 plans.append(TilePlan.select(ct, *split, label=label) if split else TilePlan.select(ct, label=label))
             except FormatError as exc:
                 raise loading.ZipServLoadError(
-                    f"zipserv: corrupt checkpoint tensor {loading._ckpt_name(st, sh, 'weight')}: {exc}") from None
+                    f"zipserv: corrupt checkpoint tensor {loading.ckpt_name(st, sh, 'weight')}: {exc}") from None
         return loading.join_rows(plans)
 
     def _decode_into(self, layer, e: int, shard: str) -> str:
@@ -481,9 +481,9 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                     w[:inter] = w13.data[e, :inter]
                 if "w3" in shards:
                     w[inter:] = w13.data[e, inter:]
-                loading.reencode(states[e], w)
+                weight_loaders.reencode(states[e], w)
             if "w2" in shards:
-                loading.reencode(states[n_exp + e], w2.data[e])
+                weight_loaders.reencode(states[n_exp + e], w2.data[e])
         self._placeholders(layer, w13.device)
 
     def _placeholders(self, layer, device) -> None:
@@ -531,7 +531,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                                                        weight_name or f"{which}_weight", shard_id=shard_id,
                                                        expert_id=expert_id, return_success=True, **kw)
             if ok is not False:
-                loading.reencode(st, one[0])
+                weight_loaders.reencode(st, one[0])
                 layer.__dict__.pop("_zs_moe_native", None)  # its addresses keep the old pages alive
             return ok if return_success else None
 
