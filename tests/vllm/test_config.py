@@ -248,3 +248,23 @@ def test_gpu_first_contact_decides_mode_and_layout_once_and_drops_a_stale_tuner(
     assert checked == ["cuda:0", "cuda:1"]
     assert ZipServConfig().gpu_layout == "v1"  # prefer: memory keeps v1 on a GPU
     assert "_contacted" not in pickle.loads(pickle.dumps(cfg)).__getstate__()
+
+
+def test_version_is_the_bottom_layer_and_words_the_registration_warning(monkeypatch):
+    """version.py imports no plugin module (compat and log build on it: no import cycle), and gives
+    the one line register() logs for a vLLM outside the tested series."""
+    import ast
+    from pathlib import Path
+
+    from zipserv_vllm.vllm_plugin import version
+
+    tree = ast.parse(Path(version.__file__).read_text())
+    relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert relative == [], [ast.unparse(n) for n in relative]
+    monkeypatch.delenv("ZIPSERV_SKIP_VLLM_VERSION_CHECK", raising=False)
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.34.2")
+    assert version.unsupported_warning() is None
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.40.1")
+    assert "vLLM 0.40.1 is newer than the releases" in version.unsupported_warning()
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.31.2")
+    assert "found vLLM 0.31.2" in version.unsupported_warning()

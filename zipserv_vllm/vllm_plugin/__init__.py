@@ -6,12 +6,15 @@ package imports no vLLM (so :mod:`.arena` and :mod:`.tiles` work without it);
 ``register()`` imports the vLLM-facing modules, whose import runs
 ``@register_quantization_config("zipserv")``.
 
-Modules:
-  * :mod:`.version`  - the vLLM versions this plugin is tested with (one place).
+Modules (bottom up: version <- compat <- log <- the rest):
+  * :mod:`.version`  - the vLLM versions this plugin is tested with (one place; imports no plugin module).
   * :mod:`.compat`   - every vLLM symbol the plugin uses, found by feature (one place).
+  * :mod:`.log`      - the plugin's logger (vLLM's, found through compat).
   * :mod:`.config`   - ``ZipServConfig`` (quant_method ``zipserv``, modes, preflight checks).
-  * :mod:`.methods`  - linear / embedding methods (pre-compressed and pack-at-load).
+  * :mod:`.methods`, :mod:`.moe` - linear / embedding and mixture-of-experts methods.
   * :mod:`.loading`  - per-layer state, tensor-parallel tile selection, completeness checks.
+  * :mod:`.weight_loaders` - the placeholders' loaders: recording, then weight updates.
+  * :mod:`.layouts`  - which in-memory layout (v1 / byte-split) a device holds; pack and repack.
   * :mod:`.gemm`     - the exact-mode GEMM: the same kernel vLLM's unquantized path runs.
   * :mod:`.arena`, :mod:`.tiles` - the paged arena and byte-range plans (no vLLM).
   * :mod:`.errors`  - every load failure as one readable line, whatever vLLM wraps around it.
@@ -29,9 +32,12 @@ def register() -> None:
         return
     _registered = True
     from . import compat, errors, version
+    from .log import logger
 
     errors.install()
-    version.warn_if_unsupported()
+    line = version.unsupported_warning()
+    if line:
+        logger.warning("%s", line)
     try:
         compat.check()
     except compat.VLLMCompatError as exc:

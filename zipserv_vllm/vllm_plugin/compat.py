@@ -19,6 +19,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from . import version
+
 
 class VLLMCompatError(RuntimeError):
     """The installed vLLM lacks (or changed) something the plugin needs; the message names it."""
@@ -113,11 +115,9 @@ def current_vllm_config():
 
 
 def _missing_line(need: Need) -> str:
-    from .version import tested_text, vllm_version
-
     where = " or ".join(f"{m}.{a}" for m, a in need.candidates)
-    return (f"zipserv: this vLLM ({vllm_version()}) has no {need.what} ({where}), which zipserv-vllm needs; "
-            f"zipserv-vllm is tested with vLLM {tested_text()}")
+    return (f"zipserv: this vLLM ({version.vllm_version()}) has no {need.what} ({where}), which zipserv-vllm needs; "
+            f"zipserv-vllm is tested with vLLM {version.tested_text()}")
 
 
 def missing_line(what: str) -> str:
@@ -174,9 +174,7 @@ def behaviour_problems() -> list[str]:
 def missing() -> list[str]:
     """One line per required API this vLLM lacks or changed (empty: everything is there)."""
     lines = [_missing_line(n) for n in NEEDS.values() if n.required and find(n.what, required=False) is None]
-    from .version import tested_text, vllm_version
-
-    lines += [f"zipserv: this vLLM ({vllm_version()}): {p}; zipserv-vllm is tested with vLLM {tested_text()}"
+    lines += [f"zipserv: this vLLM ({version.vllm_version()}): {p}; zipserv-vllm is tested with vLLM {version.tested_text()}"
               for p in behaviour_problems()]
     return lines
 

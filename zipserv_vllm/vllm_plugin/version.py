@@ -87,17 +87,18 @@ def check_vllm_version() -> None:
     )
 
 
-def warn_if_unsupported() -> None:
-    """One log line at plugin registration for a vLLM outside the tested series."""
-    from .log import logger
-
+def unsupported_warning() -> str | None:
+    """The one line to log at plugin registration for a vLLM outside the tested series (None for a
+    tested one). This module imports nothing of the plugin: it is the bottom layer, under compat
+    (which names versions in its messages) and log (which finds vLLM's logger through compat)."""
     ver = vllm_version()
     st = status(ver)
     if st == "newer":
-        logger.warning("zipserv: vLLM %s is newer than the releases zipserv-vllm is tested with (%s); it runs "
-                       "because every vLLM API it uses was found", ver, tested_text())
-    elif st != "tested":
+        return (f"zipserv: vLLM {ver} is newer than the releases zipserv-vllm is tested with ({tested_text()}); "
+                "it runs because every vLLM API it uses was found")
+    if st != "tested":
         try:
             check_vllm_version()
         except UnsupportedVLLMError as exc:
-            logger.warning("%s", exc)
+            return str(exc)
+    return None
