@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "zipserv/cpu_gemm.h"
@@ -88,7 +89,12 @@ void gemm_rows_t(const GemmJobT<W>& job, int64_t tm0, int64_t tm1) {
   const W& w = job.w;
   const int64_t n = job.n;
   Scratch& s = scratch;
-  s.acc.resize(static_cast<size_t>(kTile * n * 4));
+  try {
+    s.acc.resize(static_cast<size_t>(kTile * n * 4));
+  } catch (const std::bad_alloc&) {  // (no exception may leave the parallel region)
+    job.oom->store(true);
+    return;
+  }
   for (int64_t tm = tm0; tm < tm1; ++tm) {
     std::fill(s.acc.begin(), s.acc.end(), 0.0f);
     for (int64_t tk = 0; tk < w.kt; ++tk) {

@@ -134,17 +134,20 @@ GemmArgs gemm_args(int64_t m, int64_t k, const py::array& x, const py::object& b
 }
 
 // y[n, m] = x[n, k] . W^T + bias by kernel function fn (W a Matrix or a Packed) on
-// checked, contiguous bf16 buffers (bias may be null); the caller has released the GIL.
+// checked, contiguous bf16 buffers (bias may be null); the caller has released the GIL. False when
+// a thread's scratch could not be allocated (y is then incomplete).
 template <class W, class Fn>
-void fused_rows(const W& w, Fn fn, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
+bool fused_rows(const W& w, Fn fn, const uint16_t* xs, int64_t n, const uint16_t* bias, uint16_t* y, int threads,
                 std::atomic<int64_t>& bad) {
   const int64_t kp = w.kt * kTile;
   std::vector<float> xf(static_cast<size_t>(n * kp), 0.0f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < w.k; ++c) xf[t * kp + c] = bf16_to_float(xs[t * w.k + c]);
-  const GemmJobT<W> job{w, xf.data(), n, kp, bias, y, &bad};
+  std::atomic<bool> oom{false};
+  const GemmJobT<W> job{w, xf.data(), n, kp, bias, y, &bad, &oom};
   auto body = [&](int64_t a, int64_t b) { fn(job, a, b); };
   parallel_for(w.mt, threads, body);
+  return !oom.load();
 }
 
 // y = x . W^T + bias by kernel function fn (W a Matrix or a Packed).
@@ -153,9 +156,13 @@ void run_gemm(const W& w, Fn fn, const py::array& x, const py::object& bias, py:
               std::atomic<int64_t>& bad) {
   const GemmArgs args = gemm_args(w.m, w.k, x, bias, out);
   if (args.n == 0) return;
-  py::gil_scoped_release nogil;
-  fused_rows(w, fn, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
-             static_cast<uint16_t*>(out.mutable_data()), threads, bad);
+  bool done;
+  {
+    py::gil_scoped_release nogil;
+    done = fused_rows(w, fn, static_cast<const uint16_t*>(x.data()), args.n, args.bias,
+                      static_cast<uint16_t*>(out.mutable_data()), threads, bad);
+  }
+  if (!done) throw std::bad_alloc();  // (MemoryError; the output is incomplete)
 }
 
 template <class W, class Fn>
@@ -247,7 +254,8 @@ bool embedding_rows(const Packed& w, PackedDecodeRowsFn decode, const int64_t* i
       v.m = std::min<int64_t>(kTile, m - tm * kTile);
       v.mt = 1;
       std::atomic<int64_t> vbad{-1};
-      decode(DecodeJobT<Packed>{v, scratch.get(), &vbad}, 0, 1);
+      decode(DecodeJobT<Packed>{v, scratch.get(), &vbad, &no_memory}, 0, 1);
+      if (no_memory.load()) return;
       if (vbad.load() >= 0) {
         report_bad(&bad, tm * w.kt + vbad.load());
         continue;
@@ -348,15 +356,12 @@ void packed_gemm_bf16(const py::array& x, const py::array& tiles, const py::arra
 }
 
 // y[n, m] = x[n, k] . W^T + bias on checked buffers at addresses: the panel kernel, else the fp32
-// fused one of `fused`; the caller holds no GIL. False when the panel kernel could not allocate its
+// fused one of `fused`; the caller holds no GIL. False when a kernel could not allocate its
 // buffers (y incomplete); a malformed tile is reported in bad. Shared by PackedLinear::run and the
 // capsule entry.
 bool packed_rows(const Packed& w, const Kernel& fused, bool panel, const uint16_t* x, int64_t n,
                  const uint16_t* bias, uint16_t* y, int threads, std::atomic<int64_t>& bad) {
-  if (!panel) {
-    fused_rows(w, fused.packed_gemm_rows, x, n, bias, y, threads, bad);
-    return true;
-  }
+  if (!panel) return fused_rows(w, fused.packed_gemm_rows, x, n, bias, y, threads, bad);
   return panel_rows(w, x, n, bias, y, threads, bad);
 }
 

@@ -4,6 +4,7 @@
 // depend on the thread count.
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "zipserv/cpu_gemm.h"
@@ -96,8 +97,16 @@ void pack_rows(const PackJob& job, std::vector<std::vector<uint32_t>>& exc, int6
 
 std::vector<uint32_t> pack_matrix(const PackJob& job, int threads, int64_t* exc_start) {
   std::vector<std::vector<uint32_t>> exc(static_cast<size_t>(job.mt * job.kt));
-  auto body = [&](int64_t a, int64_t b) { pack_rows(job, exc, a, b); };  // exc: per tile
+  std::atomic<bool> oom{false};
+  auto body = [&](int64_t a, int64_t b) {  // exc: per tile
+    try {
+      pack_rows(job, exc, a, b);
+    } catch (const std::bad_alloc&) {  // (no exception may leave the parallel region)
+      oom.store(true);
+    }
+  };
   parallel_for(job.mt, threads, body);
+  if (oom.load()) throw std::bad_alloc();  // (MemoryError; nothing is returned)
   std::vector<uint32_t> all;
   exc_start[0] = 0;
   for (size_t g = 0; g < exc.size(); ++g) {

@@ -137,6 +137,7 @@ struct GemmJobT {
   const uint16_t* bias;  // [m] bf16 bits or nullptr
   uint16_t* y;           // [n][m] bf16 bits
   std::atomic<int64_t>* bad_tile;  // first malformed tile index seen, else -1
+  std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (this call's own flag)
 };
 using GemmJob = GemmJobT<Matrix>;
 using PackedGemmJob = GemmJobT<Packed>;
@@ -147,7 +148,7 @@ struct DecodeJobT {
   W w;
   uint16_t* out;  // [m][k] bf16 bits
   std::atomic<int64_t>* bad_tile;
-  std::atomic<bool>* oom = nullptr;  // set when a thread's scratch could not be allocated (this call's own flag)
+  std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (this call's own flag)
 };
 using DecodeJob = DecodeJobT<Matrix>;
 using PackedDecodeJob = DecodeJobT<Packed>;
