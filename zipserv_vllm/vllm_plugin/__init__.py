@@ -35,14 +35,16 @@ def register() -> None:
     from .log import logger
 
     errors.install()
-    line = version.unsupported_warning()
-    if line:
-        logger.warning("%s", line)
+    line = version.unsupported_warning()  # (a vLLM outside the tested series; logged once the APIs were looked up)
     try:
         compat.check()
     except compat.VLLMCompatError as exc:
+        if line:
+            logger.warning("%s", line)
         errors.report(exc)  # one line; "zipserv" then stays unknown to vLLM
         return
+    if line:
+        logger.warning("%s", line)
     from . import config  # noqa: F401  (runs @register_quantization_config)
 
 

@@ -27,9 +27,6 @@ from .arena import PagedArena
 from .loading import LayerState
 from .tiles import store_compressed
 
-CPU_LAYOUTS = settings.CPU_LAYOUTS  # ZIPSERV_CPU_LAYOUT values; the first is the default
-
-
 def cpu_layout() -> str:
     """``ZIPSERV_CPU_LAYOUT``: the in-memory layout of CPU fast mode (default ``bytesplit``)."""
     return settings.cpu_layout()

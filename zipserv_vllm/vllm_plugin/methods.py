@@ -19,7 +19,8 @@ At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
 * ``fast``: ``zipserv_vllm.linear(x, ct, bias, mode="fast")`` (``zipserv::gemm``),
   where fused decode-GEMM kernels plug in. On the CPU the layers are held in
   the byte-split layout (``PackedTensor``, ``zipserv::packed_gemm``; see
-  :mod:`.loading`), unless ``ZIPSERV_CPU_LAYOUT=v1``.
+  :mod:`.layouts`), unless ``ZIPSERV_CPU_LAYOUT=v1``; on a GPU with
+  ``ZIPSERV_GPU_LAYOUT=bytesplit`` or ``prefer: speed``.
 
 The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.kernels.embedding`) decodes
 only the tile rows (64 vocabulary rows each) that the batch's ids touch, then

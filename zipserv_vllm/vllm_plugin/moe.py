@@ -327,7 +327,7 @@ class ZipServMoEMethod(UnquantizedFusedMoEMethod):
                 self._decode_into(layer, e, shard)
             for arena in {id(st.arena): st.arena for st in states if st.arena is not None}.values():
                 weight_loaders.release_unused(arena, {x.slot.page for st in states if st.arena is arena
-                                                for t in st.tables for x in t.entries.values()})
+                                                      for t in st.tables for x in t.entries.values()})
             layer._zs_moe_plain = True
             self.zs_config.note_plain(self.zs_prefix or "<experts>", why)
             super().process_weights_after_loading(layer)
