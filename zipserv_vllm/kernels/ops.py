@@ -167,6 +167,15 @@ def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, luts: torch.Tensor, exc_st
 _packed_gemm_python = _PYTHON_IMPLS["packed_gemm"]  # (the function; the C++ CPU kernel hands it the calls it does not serve)
 
 
+def decode(ct: CompressedTensor | PackedTensor) -> torch.Tensor:
+    """W (bf16 [M, K]) of a weight in either layout, bit for bit, by the decompress op of its
+    layout on the arrays' device (the CUDA kernels where they are registered)."""
+    m, k = ct.shape
+    if isinstance(ct, PackedTensor):
+        return packed_decompress(ct.tiles, ct.luts, ct.exc_start, ct.exc, m, k)
+    return decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, m, k)
+
+
 def linear(x: torch.Tensor, ct: CompressedTensor | PackedTensor, bias: torch.Tensor | None = None,
            mode: str = "fast") -> torch.Tensor:
     """``F.linear(x, W, bias)`` for W compressed (CompressedTensor, TCA-TBE v1) or in the

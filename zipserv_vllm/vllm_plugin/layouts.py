@@ -23,6 +23,7 @@ from .. import settings
 from ..codec import compress_tensor
 from ..format import CompressedTensor
 from ..format.cpu_layout import PackedTensor
+from ..kernels import ops
 from .arena import PagedArena
 from .loading import LayerState
 from .tiles import store_compressed
@@ -124,8 +125,7 @@ def repack(states: list[LayerState], old: PagedArena, new: PagedArena) -> int:
             if isinstance(part, PackedTensor):
                 pt = part
             elif part.device.type == "cuda":  # decoded on the GPU (its decompress kernel), packed on the CPU
-                pt = cpu_kernels.pack(torch.ops.zipserv.decompress(part.bitmaps, part.base, part.offsets, part.sm,
-                                                                   part.fb, *part.shape).cpu())
+                pt = cpu_kernels.pack(ops.decode(part).cpu())
             else:
                 pt = cpu_kernels.pack(part)
             tables.append(new.store(pt.arrays()))

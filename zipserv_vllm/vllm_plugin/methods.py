@@ -38,8 +38,6 @@ from torch.nn import Parameter
 
 from ..kernels import embedding as _embedding_op
 from ..kernels import ops
-from ..format import CompressedTensor
-from ..format.cpu_layout import PackedTensor
 from . import compat, errors, layouts, loading, weight_loaders
 from .gemm import exact_gemm, note_shape
 from .log import logger
@@ -58,15 +56,9 @@ def _state(layer) -> loading.LayerState:
     return layer.__dict__[_STATE]
 
 
-def _decode(ct: CompressedTensor | PackedTensor) -> torch.Tensor:
-    if isinstance(ct, PackedTensor):
-        return torch.ops.zipserv.packed_decompress(ct.tiles, ct.luts, ct.exc_start, ct.exc, ct.shape[0], ct.shape[1])
-    return torch.ops.zipserv.decompress(ct.bitmaps, ct.base, ct.offsets, ct.sm, ct.fb, ct.shape[0], ct.shape[1])
-
-
 def _full_weight(st: loading.LayerState) -> torch.Tensor:
     """The rank's BF16 weight rebuilt from its parts (zero rows for vocab padding)."""
-    ws = [_decode(p) for p in st.parts]
+    ws = [ops.decode(p) for p in st.parts]
     pad = st.rows - st.compressed_rows
     if pad:
         ws.append(torch.zeros(pad, st.cols, dtype=torch.bfloat16, device=ws[0].device))
