@@ -87,16 +87,13 @@ def clone_ct(ct):
 def packed_copies(w, copies: int, dev) -> list:
     """``copies`` PackedTensors of the BF16 weight w on dev (docs/FORMAT.md appendix A), packed on the CPU by
     the native packer; none where it is not built."""
-    from zipserv_vllm.format.cpu_layout import PackedTensor
-
     try:
         from zipserv_vllm.kernels.cpu import pack
         pt = pack(w.cpu())
     except (ImportError, RuntimeError) as exc:  # no _cpu_gemm: the reference packer would take minutes per layer
         print(f"bench_zipgemm: the byte-split kernel is not timed ({exc})", flush=True)
         return []
-    arrays = [getattr(pt, a).contiguous() for a in ("tiles", "luts", "exc_start", "exc")]
-    return [PackedTensor(pt.shape, *(a.to(dev) for a in arrays)) for _ in range(copies)]
+    return [pt.to(dev) for _ in range(copies)]
 
 
 def packed_bytes(pt) -> int:

@@ -104,12 +104,10 @@ def main() -> int:
     # the byte-split-layout kernel (docs/FORMAT.md appendix A): the patterns matrix one-hot (inf / NaN rows give
     # NaN wherever their row has one, so only rows without them are compared), Gaussian weights exactly and
     # against float64, aligned X (16-byte chunks) and X one element off (the general instance)
-    from zipserv_vllm.format.cpu_layout import PackedTensor, reference_pack
+    from zipserv_vllm.format.cpu_layout import reference_pack
 
     for (m, k), w in weights.items():
-        ref = reference_pack(w)
-        pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(DEV)
-                                       for a in ("tiles", "luts", "exc_start", "exc")))
+        pt = reference_pack(w).to(DEV)
         w = w.to(DEV)
         finite = torch.isfinite(w.float()).all(dim=1)
         for off in (0, 1):

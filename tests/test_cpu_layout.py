@@ -418,3 +418,13 @@ def test_native_embedding_names_a_malformed_touched_tile():
     with pytest.raises(ValueError, match="rows"):
         cpu_kernels.packed_embedding(torch.tensor([0]), pt, 10)
 
+
+
+def test_packed_tensor_to_keeps_every_byte_and_makes_the_arrays_contiguous():
+    w = (torch.randn(130, 200) * 0.02).to(torch.bfloat16)
+    pt = L.reference_pack(w)
+    odd = L.PackedTensor(pt.shape, pt.tiles, pt.luts.transpose(0, 1).contiguous().transpose(0, 1), pt.exc_start, pt.exc)
+    moved = odd.to("cpu")
+    assert moved.shape == pt.shape and all(t.is_contiguous() for t in moved.arrays().values())
+    assert all(torch.equal(a, b) for a, b in zip(moved.arrays().values(), pt.arrays().values()))
+    assert torch.equal(L.reference_unpack(moved).view(torch.int16), w.view(torch.int16))

@@ -97,6 +97,10 @@ class PackedTensor(MatrixArrays):
     def arrays(self) -> dict[str, torch.Tensor]:
         return {"tiles": self.tiles, "luts": self.luts, "exc_start": self.exc_start, "exc": self.exc}
 
+    def to(self, device) -> "PackedTensor":
+        """The same matrix on ``device`` (each array made contiguous there; shape kept)."""
+        return PackedTensor(self.shape, *(t.contiguous().to(device) for t in self.arrays().values()))
+
     def validate(self, name: str = "tensor") -> None:
         """Raise FormatError unless shapes, dtypes and the exception lists are valid."""
         m, k = self.shape

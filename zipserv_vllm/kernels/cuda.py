@@ -271,32 +271,30 @@ def _fused_gemm(x2, bitmaps, base, offsets, sm, fb, m, k, bias, tile_n, split):
 
 
 PACKED_TILE_NS = dispatch.PACKED_TILE_NS  # the byte-split-layout kernel's instances (decode batch sizes)
-_PACKED_ARRAYS = ("tiles", "luts", "exc_start", "exc")
 
 
 def pack_cuda(w: torch.Tensor):
     """A PackedTensor of the bf16 weight ``w`` on ``w``'s device: packed on the CPU (the CPU
     extension's packer, else the layout's executable spec), then copied over."""
-    from ..format.cpu_layout import PackedTensor, reference_pack
+    from ..format.cpu_layout import reference_pack
     from . import cpu as cpu_kernels
 
     host = w.detach().to("cpu")
-    pt = cpu_kernels.pack(host) if cpu_kernels.available() else reference_pack(host)
-    return PackedTensor(pt.shape, *(getattr(pt, a).contiguous().to(w.device) for a in _PACKED_ARRAYS))
+    return (cpu_kernels.pack(host) if cpu_kernels.available() else reference_pack(host)).to(w.device)
 
 
 def clone_packed(pt):
     """A copy of a PackedTensor in fresh memory (the tuner's weight copies past the L2)."""
     from ..format.cpu_layout import PackedTensor
 
-    return PackedTensor(pt.shape, *(getattr(pt, a).clone() for a in _PACKED_ARRAYS))
+    return PackedTensor(pt.shape, *(t.clone() for t in pt.arrays().values()))
 
 
 def _check_packed(pt, device) -> None:
     """The four arrays contiguous on ``device``, validated on the host once per weight (refused
     during capture: the validation reads them back)."""
-    arrays = tuple(getattr(pt, a) for a in _PACKED_ARRAYS)
-    for name, t in zip(_PACKED_ARRAYS, arrays):
+    arrays = tuple(pt.arrays().values())
+    for name, t in pt.arrays().items():
         if t.device != device or not t.is_contiguous():
             raise ValueError(f"zipserv CUDA: {name} must be contiguous on {device}")
     key = tuple((t._version, t.data_ptr(), t.numel()) for t in arrays) + tuple(pt.shape)

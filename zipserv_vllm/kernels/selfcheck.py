@@ -99,15 +99,13 @@ def run(ops, device, m: int = 200, k: int = 520, n_random: int = 37, seed: int =
                 return ops.grouped_gemm(x, [ct, ct], rows.to(device), path=path, tile_n=tn)
 
             check(f"grouped {path}" + (f" tile_n={tn}" if tn else ""), grouped)
-    if hasattr(ops, "packed_gemm"):  # the byte-split-layout kernel (docs/FORMAT.md appendix A): reported only
-        from ..format.cpu_layout import PackedTensor, reference_pack
+    if hasattr(ops, "packed_gemm"):  # the byte-split layout's kernels (docs/FORMAT.md appendix A)
+        from ..format.cpu_layout import reference_pack
 
         # the general instance on this layer (K % 64 != 0), the aligned-X one on a K = 512 layer
         w2 = (torch.randn(m, 512, generator=g) * 0.02).to(torch.bfloat16).to(device)
         for wk, label in ((w, "general X"), (w2, "aligned X")):
-            ref = reference_pack(wk.cpu())
-            pt = PackedTensor(ref.shape, *(getattr(ref, a).contiguous().to(device)
-                                           for a in ("tiles", "luts", "exc_start", "exc")))
+            pt = reference_pack(wk.cpu()).to(device)
             kk = wk.shape[1]
             xo_k, cols_k = one_hot(kk, kk, device=device)
             xr_k = torch.randn(n_random, kk, generator=g).to(torch.bfloat16).to(device)
