@@ -61,9 +61,8 @@ int decompress_preload() {
 }
 
 int decompress(const DecompressArgs& a, uintptr_t stream) {
-  if (a.M < 1 || a.K < 1) return static_cast<int>(cudaErrorInvalidValue);
-  const int64_t g = static_cast<int64_t>((a.M + kTile - 1) / kTile) * ((a.K + kTile - 1) / kTile);
-  if (g > 0x7FFFFFFFLL) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t g = tile_blocks(a.M, a.K);
+  if (g == 0) return static_cast<int>(cudaErrorInvalidValue);
   ZS_LAUNCH(decompress_kernel, static_cast<unsigned>(g), kThreads, 0, reinterpret_cast<cudaStream_t>(stream))(a);
   return static_cast<int>(cudaGetLastError());
 }

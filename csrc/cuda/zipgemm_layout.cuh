@@ -75,6 +75,13 @@ ZS_HD int stage_x(int /*tile_n*/) { return kWarps * (kSmStageBytes + kFbStageEle
 // for the vector stores, and the lanes' 4-byte writes of one FT hit 32 banks).
 constexpr int kOutPitch = kTile + 8;
 ZS_HD int out_tile_index(int r, int c) { return r * kOutPitch + c; }
+// Blocks of a one-tile-per-block launch over an M x K matrix (the decompress kernels), or 0 when M
+// or K is not positive or the count does not fit a grid's x dimension (2^31 - 1).
+ZS_HD int64_t tile_blocks(int M, int K) {
+  if (M < 1 || K < 1) return 0;
+  const int64_t g = static_cast<int64_t>((M + kTile - 1) / kTile) * ((K + kTile - 1) / kTile);
+  return g > 0x7FFFFFFFLL ? 0 : g;
+}
 ZS_HD int decompress_smem_bytes() {
   return kBmpBytes + kWarps * (kSmStageBytes + kFbStageElems * 2) + kTile * kOutPitch * 2;
 }
