@@ -232,7 +232,13 @@ def test_gpu_first_contact_decides_mode_and_layout_once_and_drops_a_stale_tuner(
     cfg = ZipServConfig(prefer="speed", mode="fast")
     assert (cfg.mode, cfg.gpu_layout) == ("fast", "bytesplit")
     released = []
-    cfg.__dict__["_tuner_obj"] = type("T", (), {"time_fn": type("F", (), {"release": lambda self: released.append(1)})()})()
+    from zipserv_vllm.kernels import autotune
+
+    def time_fn(plan, n, m, k):
+        return 1.0
+
+    time_fn.release = lambda: released.append(1)
+    cfg.__dict__["_tuner_obj"] = autotune.Tuner(time_fn, 8, 8)
     cfg._first_contact(["cuda:0"])
     assert (cfg.mode, cfg.gpu_layout) == ("fast", "v1") and released == [1] and "_tuner_obj" not in cfg.__dict__
     cfg._first_contact(["cuda:0"])  # judged once

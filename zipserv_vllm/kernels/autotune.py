@@ -62,15 +62,14 @@ def buckets(max_n: int) -> list[int]:
 def plan_key(plan: Plan | str) -> str:
     if isinstance(plan, str):  # the CPU dispatcher's candidates are named by strings (kernels/cpu_dispatch.py)
         return plan
-    return plan.path if plan.path in ("decoupled", "packed_decoupled") else f"{plan.path}/split{plan.split}"
+    return plan.path if plan.path in dispatch.DECOUPLED_PATHS else f"{plan.path}/split{plan.split}"
 
 
 def plan_from_key(key: str, n: int) -> Plan:
-    if key in ("decoupled", "packed_decoupled"):
+    if key in dispatch.DECOUPLED_PATHS:
         return Plan(key)
     path, split = key.split("/split", 1)
-    tile_n = dispatch.packed_tile_n(n) if path == "packed" else dispatch.tile_n_for(n)
-    return Plan(path, tile_n, int(split))
+    return Plan(path, dispatch.tile_n_of(path, n), int(split))
 
 
 @dataclass
@@ -250,14 +249,18 @@ class Tuner:
             got = tune(new, self.max_n, self.time_fn, budget_s=self.budget_left, candidates=self.candidates,
                        ns=self.ns)
         finally:
-            release = getattr(self.time_fn, "release", None)  # e.g. the CPU timer's random weights
-            if release is not None:
-                release()
+            self.release()
         self.budget_left -= time.perf_counter() - t0
         for shape, by_n in got.times.items():
             self.tuning.times.setdefault(shape, {}).update(by_n)
         self.tuning.complete = self.tuning.complete and got.complete
         self._dirty = True
+
+    def release(self) -> None:
+        """Free what the timing function holds (e.g. its random weight copies), if it holds anything."""
+        release = getattr(self.time_fn, "release", None)
+        if release is not None:
+            release()
 
     def slower(self, shapes) -> tuple[float, int] | None:
         """The worst (ratio, N) at which these shapes' best compressed plans are slower than BF16."""

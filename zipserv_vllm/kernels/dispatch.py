@@ -72,6 +72,7 @@ PACKED_BITS_PER_WEIGHT = 12.05  # the byte-split layout on trained weights (docs
 # layout (paths "packed": its fused kernel, "packed_decoupled": its decompress kernel + cuBLAS).
 LAYOUTS = ("v1", "bytesplit")
 PATHS = {"v1": ("fused", "decoupled"), "bytesplit": ("packed", "packed_decoupled")}
+DECOUPLED_PATHS = ("decoupled", "packed_decoupled")  # decompress + cuBLAS: no tile_n, no split
 
 BUILTIN = {
     "gpu": "unknown",
@@ -208,6 +209,13 @@ def packed_tile_n(n: int) -> int:
     return PACKED_TILE_NS[0] if n <= PACKED_TILE_NS[0] else PACKED_TILE_NS[-1]
 
 
+def tile_n_of(path: str, n: int) -> int:
+    """The instance of ``path``'s fused kernel for N tokens (0 for a decoupled path)."""
+    if path == "fused":
+        return tile_n_for(n)
+    return packed_tile_n(n) if path == "packed" else 0
+
+
 def tile_n_for(n: int) -> int:
     """Columns per block: N <= 8 -> 8 (paper's N8 mode); 9..128 -> the smallest
     instance covering N; > 128 -> 128 with a grid over column tiles."""
@@ -245,7 +253,7 @@ def estimate(plan: Plan, n: int, m: int, k: int, gpu: Gpu, table: dict | None = 
     flops = 2.0 * n * m * k
     xy = 2.0 * n * (k + m)
     wc = bits_per_weight / 8 * m * k
-    if plan.path in ("decoupled", "packed_decoupled"):
+    if plan.path in DECOUPLED_PATHS:
         dec_blocks = -(-m // TILE) * -(-k // TILE)
         # (a grid larger than the GPU does not read faster than its memory: fill is at most 1)
         dec_fill = min(1.0, dec_blocks / (gpu.sms * 4))
@@ -332,11 +340,7 @@ def choose(n: int, m: int, k: int, sm_count: int, table: dict | None = None, gpu
     gpu = gpu_model(sms=sm_count) if gpu is None else gpu
     plan = measured_plan(n, m, k)
     if plan is not None and plan.path in PATHS[layout]:
-        if plan.path == "fused":
-            return Plan("fused", tile_n_for(n), plan.split)
-        if plan.path == "packed":
-            return Plan("packed", packed_tile_n(n), plan.split)
-        return plan
+        return Plan(plan.path, tile_n_of(plan.path, n), plan.split)
     if layout == "bytesplit":
         return cost_model_plan(n, m, k, gpu, table, layout)
     kt = -(-k // TILE)

@@ -337,9 +337,8 @@ class ZipServConfig(QuantizationConfig):
             logger.warning(line)
         if (self.mode, self.gpu_layout) != before:
             tuner = self.__dict__.pop("_tuner_obj", None)
-            release = getattr(getattr(tuner, "time_fn", None), "release", None)
-            if release is not None:
-                release()
+            if tuner is not None:
+                tuner.release()
 
     # ------------------------------------------------------------ dispatcher
     def _tuner(self):
@@ -399,8 +398,8 @@ class ZipServConfig(QuantizationConfig):
 
     def _tuned_gpu_layout(self) -> str:
         """The layout whose GPU plans the tuner times: the engine's GPU layout in fast mode (v1 in exact
-        mode, which never repacks). Decided before first contact; should first contact turn it back to
-        v1, the measured byte-split plans are ignored by dispatch.choose and the cost model serves v1."""
+        mode, which never repacks). On a GPU first contact has decided it before the tuner is made; a
+        later change of layout drops the tuner (:meth:`_first_contact`)."""
         return self.gpu_layout if self.mode == "fast" else "v1"
 
     def speed_reason(self, shapes) -> str | None:
