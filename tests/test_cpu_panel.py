@@ -79,7 +79,7 @@ def test_decode_real_trained_weights():
         assert torch.equal(_bits(cpu_kernels.packed_decode(pt, threads=2, kernel="panel")), _bits(w)), name
 
 
-def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
+def _one_hot_columns(w: torch.Tensor, n: int, threads: int | None = None) -> torch.Tensor:
     """W read back through the GEMM: x = one-hot rows (n columns per call), y = those columns exactly
     (finite normal weights: w * 1 and the + 0 terms are exact in fp32, and the BF16 rounding of a
     BF16 value is itself)."""
@@ -90,8 +90,19 @@ def _one_hot_columns(w: torch.Tensor, n: int) -> torch.Tensor:
         idx = torch.arange(c0, min(c0 + n, k))
         x = torch.zeros(len(idx), k, dtype=torch.bfloat16)
         x[torch.arange(len(idx)), idx] = 1.0
-        cols[idx] = cpu_kernels.packed_linear(x, pt, kernel="panel")
+        cols[idx] = cpu_kernels.packed_linear(x, pt, kernel="panel", threads=threads)
     return cols.T.contiguous()
+
+
+def _normal_patterns(shape, seed) -> torch.Tensor:
+    """Every finite normal BF16 pattern (zero / subnormal / inf / NaN patterns replaced by 1.0), shuffled,
+    repeated to fill shape."""
+    pats = _all_patterns((256, 256), seed=seed).view(torch.int16)
+    exp = (pats.int() >> 7) & 0xFF
+    normal = torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(-1)
+    reps = -(-shape[0] * shape[1] // normal.numel())
+    perm = torch.randperm(reps * normal.numel(), generator=torch.Generator().manual_seed(seed))
+    return normal.repeat(reps)[perm][: shape[0] * shape[1]].reshape(shape).view(torch.bfloat16)
 
 
 @needs_bf16
@@ -108,7 +119,20 @@ def test_gemm_reads_every_weight_exactly(n):
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 18, 19, 20, 33))  # every register block, both paths
+@pytest.mark.parametrize("n", (19, 25, 49))
+def test_buffered_path_decodes_the_next_chunk_exactly(n):
+    """The buffered path's decode of chunk q + 1 interleaved with the multiply of chunk q, bit for bit:
+    6 tile rows of 65 tiles (chunks of 8 tiles below 48 tokens, of 32, 32 and 1 tiles from 48 on;
+    exceptions in every one), on one thread (its first work item is 4 rows long, so the chunk
+    sequence crosses rows) and on two."""
+    w = _normal_patterns((384, 65 * 64), seed=n)
+    assert int(cpu_kernels.pack(w).exc.numel()) > 1000
+    for threads in (1, 2):
+        assert torch.equal(_bits(_one_hot_columns(w, n, threads=threads)), _bits(w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 18, 19, 20, 33, 50))  # every register block, all paths
 def test_gemm_within_bound(n):
     # 520 rows: 9 tile rows, 3 work items of 4 rows, so 2 and 3 threads really split the work
     w = _weight(520, 4096 + 70, seed=n)
@@ -232,17 +256,25 @@ def test_malformed_exception_lists_are_refused(kind):
 
 
 @needs_bf16
-def test_malformed_tile_in_a_later_chunk_is_named():
-    """Both paths walk a tile row in chunks of 8 tiles: a bad exception list in the second chunk
-    (tile (0, 12), the only tile with exceptions) is found and named."""
-    w = _weight(64, 1280, seed=5)
-    w[0, 768:776] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
+@pytest.mark.parametrize("tile", (12, 40))
+@pytest.mark.parametrize("kind", ("not_ascending", "d_out_of_tile"))
+def test_malformed_tile_in_a_later_chunk_is_named(tile, kind):
+    """Both paths walk a tile row in chunks (8 tiles; the buffered path's from 48 tokens: 32), the
+    buffered path decoding the next while it multiplies the current one: a bad exception list in a
+    later chunk (the only tile with exceptions) is found and named."""
+    k = 48 * 64
+    g = torch.Generator().manual_seed(5)
+    # 14 high bytes (both signs, 14 exponents) in every tile: room in its table, so the planted values
+    # are the only exceptions
+    sign = torch.randint(0, 2, (64, k), generator=g) * 2 - 1
+    w = (sign * (torch.rand(64, k, generator=g) + 1) * 2.0 ** -torch.randint(0, 14, (64, k), generator=g)).bfloat16()
+    w[0, tile * 64: tile * 64 + 8] = torch.tensor([0.0, 1e30, -1e30, 1e-30, -1e-30, 3e20, -3e20, 7e25]).bfloat16()
     pt = cpu_kernels.pack(w)
-    assert int(pt.exc_start[12]) == 0 and int(pt.exc_start[13]) >= 2
-    bad = _corrupt(pt, "not_ascending")
-    for n in (1, 19):
-        with pytest.raises(ValueError, match=r"tile \(0, 12\) of the byte-split layout"):
-            cpu_kernels.packed_linear(torch.ones(n, 1280, dtype=torch.bfloat16), bad, kernel="panel")
+    assert int(pt.exc_start[tile]) == 0 and int(pt.exc_start[tile + 1]) >= 2
+    bad = _corrupt(pt, kind)
+    for n in (1, 19, 48):
+        with pytest.raises(ValueError, match=rf"tile \(0, {tile}\) of the byte-split layout"):
+            cpu_kernels.packed_linear(torch.ones(n, k, dtype=torch.bfloat16), bad, kernel="panel")
 
 
 def test_unknown_kernel_is_refused():

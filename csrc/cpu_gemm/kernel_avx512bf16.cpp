@@ -4,29 +4,32 @@
 // limited to this file; chosen only when the CPU reports every feature
 // (avx512bf16_supported()) and the dispatcher picks it (kernels/cpu_dispatch.py).
 //
-// Per tile row (64 weight rows = 4 panels of 16 rows, each one medium tile
-// row), walked in chunks of kChunk = 8 tiles (512 columns):
-//   1. decode: every FT of the chunk is rebuilt in 512-bit registers (low
-//      bytes loaded, 4-bit codes through the tile's table by one vpshufb,
-//      bytes interleaved into words), the tile's exceptions patched in, and
-//      stored to a per-thread BF16 buffer (64 rows x 512 columns: 64 KiB),
-//      the records walked sequentially. Each weight is decoded once per call,
-//      whatever the number of tokens.
-//   2. multiply: tokens in register blocks of up to 6; for every 8 columns,
-//      4 panel vectors (16 rows x 8 columns) and one 128-bit broadcast of each
+// Buffered path (more than kStreamMaxN tokens). A thread's tile rows (64 weight
+// rows = 4 panels of 16 rows, each one medium tile row) are walked as one
+// sequence of chunks: 8 tiles (512 columns) below kWideMinN = 48 tokens,
+// 32 tiles (2048 columns) from there on.
+//   1. decode: every FT of a chunk is rebuilt in 512-bit registers (low bytes
+//      loaded, 4-bit codes through the tile's table by one vpshufb, bytes
+//      interleaved into words) and stored to one half of a per-thread double
+//      buffer (64 rows x the chunk's columns of BF16: 64 or 256 KiB per half),
+//      the tile's exceptions patched in once the chunk is whole. Only a work
+//      item's first chunk is decoded on its own: chunk q + 1 is decoded while
+//      chunk q is multiplied, kDecodeStep groups at a time between the dot
+//      products, and chunk q + 2's records are prefetched into L2 meanwhile.
+//      Each weight is decoded once per call, whatever the number of tokens.
+//   2. multiply: tokens in register blocks of up to 6; for every 8 columns, 4
+//      panel vectors (16 rows x 8 columns) and one 128-bit broadcast of each
 //      token's 8 activations feed 4 vdpbf16ps per token, into fp32
-//      accumulators kept per thread across the chunks ([4 panels][n][64]).
-//      Accumulator lane (row, column pair c) sums the products of columns
-//      2c, 2c + 1 of every 8-column group in increasing k. The first token
-//      block of each panel prefetches the next chunk's records into L2 (a
-//      quarter per panel), so that the weight stream overlaps the multiply.
+//      accumulators kept per thread across the chunks of a row
+//      ([4 panels][n][64]). Accumulator lane (row, column pair c) sums the
+//      products of columns 2c, 2c + 1 of every 8-column group in increasing k.
+//      Narrow chunks: panels outside, token blocks inside; wide chunks: token
+//      blocks outside (fewer accumulator loads and stores per dot product).
 //   3. y = the 4 lanes of a row summed ((l0 + l1) + (l2 + l3)), + bias, RNE to
 //      bf16 (any NaN -> 0x7FC0).
-// The chunk size is measured (2-core Zen 4): a whole tile row per step (the
-// earlier design: a 512 KiB buffer and the next row, 384 KiB, prefetched)
-// left the prefetches competing with the buffer for L2, and the kernel
-// reached ~17 of the ~40 GB/s the two cores can read; 8-tile chunks run
-// 1.2-1.6x faster at 1-16 tokens (docs/CPU.md).
+// Measured (2-core Zen 4, against the earlier design: 8-tile chunks decoded in
+// a step of their own, panels outside; docs/CPU.md): 1.0-1.04x from 24 to
+// 512 tokens.
 //
 // Numerics (docs/CPU.md, "Numerical bounds"): vdpbf16ps multiplies BF16
 // pairs exactly in fp32 and adds them to the accumulator with round to
@@ -38,7 +41,8 @@
 // With at most kStreamMaxN = 18 tokens the chunk buffer is skipped
 // (stream_gemm_rows below): each FT is decoded into registers and consumed at
 // once by a block of up to 6 tokens, the decode repeated per block (at 7 and
-// 8 tokens two half-panel passes instead, each FT decoded once: stream_half).
+// 8 tokens two half-panel passes instead, each FT decoded once: stream_half),
+// in chunks of kChunk = 8 tiles.
 //
 // The chunk buffer is also the seam for other multipliers (an AMX BF16 tile
 // kernel would read the same panels).
@@ -123,10 +127,58 @@ inline void decode_ft(const uint8_t* r, __m512i lut, uint16_t* dst) {
   _mm512_store_si512(dst + 32, w1);
 }
 
+// The next chunk's decode, spread over the multiply of the current one (buffered
+// path): FTs [next, end) of a chunk of tn tiles whose records start at rec, FT f
+// (tile f >> 6, position p = f & 63 in it: medium tile p >> 4, FT p & 15) going to
+// dst + ((p >> 4) * tn + (f >> 6)) * kMediumWords + (p & 15) * kFragElems, the
+// buffer layout of decode_tiles. Exceptions are patched once the chunk is whole.
+struct ChunkDecode {
+  const uint8_t* rec = nullptr;   // the chunk's first record (its tiles are consecutive)
+  const uint8_t* luts = nullptr;  // the chunk's first tile's table
+  uint16_t* dst = nullptr;
+  int64_t tn = 0, next = 0, end = 0;
+};
+
+inline void decode_chunk_ft(const ChunkDecode& d, int64_t f, __m512i shifts, __m512i nib) {
+  const int64_t tc = f >> 6, p = f & 63;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d.luts + tc * kPkLutEntries)));
+  __m512i w0, w1;
+  ft_words(d.rec + f * kPkFtBytes, lut, shifts, nib, w0, w1);
+  uint16_t* o = d.dst + ((p >> 4) * d.tn + tc) * kMediumWords + (p & 15) * kFragElems;
+  _mm512_store_si512(o, w0);
+  _mm512_store_si512(o + 32, w1);
+}
+
+// FTs dec.next .. stop - 1 (decode_chunk_ft), dec.next advanced to stop.
+inline void decode_chunk_until(ChunkDecode& dec, int64_t stop) {
+  const __m512i shifts = ft_shifts(), nib = ft_nib();
+  const ChunkDecode d = dec;
+  for (int64_t f = d.next; f < stop; ++f) decode_chunk_ft(d, f, shifts, nib);
+  if (stop > dec.next) dec.next = stop;
+}
+
+// The buffered path (more than kStreamMaxN tokens) in chunks of tiles whose width and loop order
+// depend on the token count, the next chunk decoded kDecodeStep groups at a time between the dot
+// products. Below kWideMinN tokens, chunks of kChunk = 8 tiles, panels outside and token blocks
+// inside (a 16 KiB panel stays in L1 for all the blocks); from kWideMinN on, chunks of
+// kWideChunk = 32 tiles (2048 columns), token blocks outside (a panel_block call runs 256 groups,
+// so its 24 accumulators' loads and stores weigh 4x less). Measured side by side (2-core Zen 4,
+// 4096x4096 and 11008x4096, against 8-tile chunks decoded in a step of their own, panels outside):
+// 8-tile interleaved 1.0-1.03x at 24-32 tokens, 0.97-0.98x at 64-128; 32-tile 1.01-1.04x from 64
+// up, 0.95-1.0x at 24-32.
+constexpr int64_t kWideMinN = 48, kWideChunk = 32;
+constexpr int64_t kDecodeStep = 8;
+static_assert(kFragsPerTile == 64, "decode_chunk_ft: FT f of a chunk is FT f & 63 of its tile f >> 6");
+constexpr int64_t kChunk = 8;  // tiles per step of the streaming path and the narrow buffered path: 48 KiB of records
+
 // NB tokens x the panel: acc[t][j] over all 8-column groups, S independent
 // accumulator sets (2 when there are few tokens, to hide the dot-product latency).
+// With dec, FTs dec.next .. dec.end - 1 of the next chunk are decoded along the
+// way, evenly over the groups (their shuffles and stores issue beside the dot
+// products instead of in a phase of their own).
 template <int NB, int S>
-void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t kp, const char* pf, float* out) {
+void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t kp, const char* pf, float* out,
+                 ChunkDecode* dec) {
   __m512 acc[S][NB][4];
 #pragma GCC unroll 2
   for (int s = 0; s < S; ++s)
@@ -134,28 +186,36 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
     for (int t = 0; t < NB; ++t)
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[s][t][j] = s == 0 ? _mm512_load_ps(out + (t * 4 + j) * 16) : _mm512_setzero_ps();
+  const int64_t f0 = dec ? dec->next : 0, quota = dec ? dec->end - f0 : 0;
+  const int64_t whole = groups - groups % S;
   int64_t g = 0;
-  for (; g + S <= groups; g += S) {
-    if (pf) {
+  while (g < whole) {
+    // kDecodeStep groups of dot products, then this stretch's share of the decode
+    const int64_t stop = std::min<int64_t>(whole, g + kDecodeStep);
+    for (; g < stop; g += S) {
+      if (pf) {
 #pragma GCC unroll 6
-      for (int i = 0; i < S * kPfLinesPerGroup; ++i) _mm_prefetch(pf + (g * kPfLinesPerGroup + i) * 64, _MM_HINT_T1);
-    }
+        for (int i = 0; i < S * kPfLinesPerGroup; ++i) _mm_prefetch(pf + (g * kPfLinesPerGroup + i) * 64, _MM_HINT_T1);
+      }
 #pragma GCC unroll 2
-    for (int s = 0; s < S; ++s) {
-      const uint16_t* w = buf + (g + s) * 128;
-      const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + 32);
-      const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 64), w3 = (__m512bh)_mm512_load_si512(w + 96);
+      for (int s = 0; s < S; ++s) {
+        const uint16_t* w = buf + (g + s) * 128;
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(w), w1 = (__m512bh)_mm512_load_si512(w + 32);
+        const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 64), w3 = (__m512bh)_mm512_load_si512(w + 96);
 #pragma GCC unroll 6
-      for (int t = 0; t < NB; ++t) {
-        const __m512bh xb = (__m512bh)_mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + t * kp + (g + s) * 8)));
-        acc[s][t][0] = _mm512_dpbf16_ps(acc[s][t][0], w0, xb);
-        acc[s][t][1] = _mm512_dpbf16_ps(acc[s][t][1], w1, xb);
-        acc[s][t][2] = _mm512_dpbf16_ps(acc[s][t][2], w2, xb);
-        acc[s][t][3] = _mm512_dpbf16_ps(acc[s][t][3], w3, xb);
+        for (int t = 0; t < NB; ++t) {
+          const __m512bh xb = (__m512bh)_mm512_broadcast_i32x4(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + t * kp + (g + s) * 8)));
+          acc[s][t][0] = _mm512_dpbf16_ps(acc[s][t][0], w0, xb);
+          acc[s][t][1] = _mm512_dpbf16_ps(acc[s][t][1], w1, xb);
+          acc[s][t][2] = _mm512_dpbf16_ps(acc[s][t][2], w2, xb);
+          acc[s][t][3] = _mm512_dpbf16_ps(acc[s][t][3], w3, xb);
+        }
       }
     }
+    if (quota) decode_chunk_until(*dec, f0 + quota * g / whole);
   }
+  if (dec) decode_chunk_until(*dec, dec->end);  // (no whole group: a block of fewer than S groups)
   for (; g < groups; ++g) {  // (S = 2 and an odd number of groups)
     const uint16_t* w = buf + g * 128;
     for (int t = 0; t < NB; ++t) {
@@ -176,14 +236,14 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
 }
 
 void panel_tokens(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t kp, int64_t nb, const char* pf,
-                  float* out) {
+                  float* out, ChunkDecode* dec) {
   switch (nb) {
-    case 1: panel_block<1, 2>(buf, groups, x, kp, pf, out); break;
-    case 2: panel_block<2, 2>(buf, groups, x, kp, pf, out); break;
-    case 3: panel_block<3, 2>(buf, groups, x, kp, pf, out); break;
-    case 4: panel_block<4, 1>(buf, groups, x, kp, pf, out); break;
-    case 5: panel_block<5, 1>(buf, groups, x, kp, pf, out); break;
-    default: panel_block<6, 1>(buf, groups, x, kp, pf, out); break;
+    case 1: panel_block<1, 2>(buf, groups, x, kp, pf, out, dec); break;
+    case 2: panel_block<2, 2>(buf, groups, x, kp, pf, out, dec); break;
+    case 3: panel_block<3, 2>(buf, groups, x, kp, pf, out, dec); break;
+    case 4: panel_block<4, 1>(buf, groups, x, kp, pf, out, dec); break;
+    case 5: panel_block<5, 1>(buf, groups, x, kp, pf, out, dec); break;
+    default: panel_block<6, 1>(buf, groups, x, kp, pf, out, dec); break;
   }
 }
 
@@ -199,13 +259,9 @@ inline bool exc_in_medium(const uint32_t* e, const uint32_t* e_end, int mm) {
   return e < e_end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm;
 }
 
-// Decodes medium tile mm of tile g (16 FTs) into dst and applies its exceptions, advancing e past
-// them; prev is the tile's last position seen. False when they are not in ascending order.
-inline bool decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, const uint32_t*& e,
-                          const uint32_t* e_end, int64_t& prev) {
-  const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
-#pragma GCC unroll 4
-  for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+// Applies the exceptions of medium tile mm (decoded at dst), advancing e past them; prev is the
+// tile's last position seen. False when they are not in ascending order.
+inline bool patch_medium(int mm, uint16_t* dst, const uint32_t*& e, const uint32_t* e_end, int64_t& prev) {
   uint8_t* b = reinterpret_cast<uint8_t*>(dst);
   bool ordered = true;
   for (; exc_in_medium(e, e_end, mm); ++e) {
@@ -215,6 +271,15 @@ inline bool decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint1
     b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*e);
   }
   return ordered;
+}
+
+// Decodes medium tile mm of tile g (16 FTs) into dst and applies its exceptions (patch_medium).
+inline bool decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, const uint32_t*& e,
+                          const uint32_t* e_end, int64_t& prev) {
+  const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
+#pragma GCC unroll 4
+  for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+  return patch_medium(mm, dst, e, e_end, prev);
 }
 
 inline __m512i tile_lut(const Packed& w, int64_t g) {
@@ -238,6 +303,22 @@ int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
     for (int mm = 0; mm < 4; ++mm)
       ordered &= decode_medium(w, g, mm, lut, buf + (mm * tn + tc) * kMediumWords, e, e_end, prev);
     // every entry belonged to the tile (d < 4096), in ascending order
+    if (!ordered || e != e_end) return g;
+  }
+  return -1;
+}
+
+// The exceptions of tiles g0 .. g0 + tn - 1, whose FTs are decoded in buf (decode_tiles' layout),
+// applied. Returns the first tile whose list is malformed, or -1.
+int64_t patch_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
+  for (int64_t tc = 0; tc < tn; ++tc) {
+    const int64_t g = g0 + tc;
+    const uint32_t* e = w.exc + w.exc_start[g];
+    const uint32_t* e_end = w.exc + w.exc_start[g + 1];
+    int64_t prev = -1;
+    bool ordered = true;
+    for (int mm = 0; mm < 4 && e != e_end; ++mm)
+      ordered &= patch_medium(mm, buf + (mm * tn + tc) * kMediumWords, e, e_end, prev);
     if (!ordered || e != e_end) return g;
   }
   return -1;
@@ -302,7 +383,7 @@ void finish_panel(const Bf16GemmJob& job, const float* part, int64_t n, int64_t 
 // lost from 12 tokens on).
 constexpr int kStreamNb = 6;          // tokens per register block
 constexpr int64_t kStreamMaxN = 18;   // the streaming path up to this many tokens
-constexpr int64_t kChunk = 8;  // tiles per step of both paths: 48 KiB of records (measured: 4 and 8 alike, 16 slower, 64 1.2-1.6x slower)
+// (kChunk: measured on the streaming path, 4 and 8 alike, 16 slower, 64 1.2-1.6x slower)
 
 template <int NB>
 __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* luts, int64_t g0, int64_t tn, int mm,
@@ -489,40 +570,85 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   }
 }
 
-void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
-  if (job.n <= kStreamMaxN) {
-    stream_gemm_rows(job, tm0, tm1);
-    return;
-  }
+// job.n > kStreamMaxN: this thread's tile rows tm0 .. tm1 - 1 as one sequence of chunks (kChunk
+// or kWideChunk tiles; a row's last chunk may be shorter), chunk q multiplied from one half of a
+// double buffer while chunk q + 1 is decoded into the other, an equal share per panel_block call,
+// and chunk q + 2's records are prefetched into L2 by the first token block. Only the first chunk
+// is decoded on its own. Each chunk is checked before its decode starts, its exceptions patched
+// once it is whole (patch_tiles).
+void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
-  uint16_t* buf = panel_buf.get(static_cast<size_t>(4 * kChunk * kMediumWords));
+  const bool wide = n >= kWideMinN;
+  const int64_t chunk = wide ? kWideChunk : kChunk;
+  const int64_t per_row = (kt + chunk - 1) / chunk, chunks = (tm1 - tm0) * per_row;
+  const size_t half = static_cast<size_t>(4 * chunk * kMediumWords);
+  uint16_t* bufs = panel_buf.get(2 * half);
   float* acc = acc_buf.get(static_cast<size_t>(4 * n * 64));
-  if (buf == nullptr || acc == nullptr) {
+  if (bufs == nullptr || acc == nullptr) {
     job.oom->store(true);
     return;
   }
-  for (int64_t tm = tm0; tm < tm1; ++tm) {
-    std::memset(acc, 0, static_cast<size_t>(4 * n * 64) * sizeof(float));
-    for (int64_t c0 = 0; c0 < kt; c0 += kChunk) {
-      const int64_t tn = std::min<int64_t>(kChunk, kt - c0), g0 = tm * kt + c0;
-      const int64_t bad = decode_tiles(w, g0, tn, buf);  // 1.
+  // chunk q: tile row tm0 + q / per_row, its tiles from column (q % per_row) * chunk on
+  const auto first_tile = [&](int64_t q) { return (tm0 + q / per_row) * kt + (q % per_row) * chunk; };
+  const auto tiles_of = [&](int64_t q) { return std::min<int64_t>(chunk, kt - (q % per_row) * chunk); };
+  int64_t bad = decode_tiles(w, first_tile(0), tiles_of(0), bufs);  // 1. (the first chunk)
+  if (bad >= 0) {
+    report_bad(job.bad_tile, bad);
+    return;
+  }
+  const int64_t blocks = (n + kMaxNb - 1) / kMaxNb, calls = 4 * blocks;  // panel_block calls per chunk
+  for (int64_t q = 0; q < chunks; ++q) {
+    const int64_t tm = tm0 + q / per_row, tc0 = (q % per_row) * chunk, tn = tiles_of(q);
+    const uint16_t* buf = bufs + (q & 1) * half;
+    if (tc0 == 0) std::memset(acc, 0, static_cast<size_t>(4 * n * 64) * sizeof(float));
+    // 1. chunk q + 1, an equal share per panel_block call
+    ChunkDecode dec;
+    int64_t fts = 0;
+    if (q + 1 < chunks) {
+      const int64_t g1 = first_tile(q + 1);
+      dec.tn = tiles_of(q + 1);
+      bad = first_bad_range(w, g1, g1 + dec.tn);
       if (bad >= 0) {
         report_bad(job.bad_tile, bad);
         return;
       }
-      const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
-      for (int mm = 0; mm < 4; ++mm) {
-        const uint16_t* pbuf = buf + mm * tn * kMediumWords;
-        for (int64_t t0 = 0; t0 < n; t0 += kMaxNb) {
-          const int64_t nb = std::min<int64_t>(kMaxNb, n - t0);
-          const char* pf = t0 == 0 ? next + mm * tn * (kPkTileBytes / 4) : nullptr;
-          panel_tokens(pbuf, tn * 8, job.x + t0 * job.kp + c0 * kTile, job.kp, nb, pf, acc + (mm * n + t0) * 64);
-        }
+      dec.rec = w.tiles + g1 * kPkTileBytes;
+      dec.luts = w.luts + g1 * kPkLutEntries;
+      dec.dst = bufs + ((q + 1) & 1) * half;
+      fts = dec.tn * kFragsPerTile;
+    }
+    // chunk q + 2's records into L2, a quarter per panel, by the first token block
+    const char* ahead =
+        q + 2 < chunks ? reinterpret_cast<const char*>(w.tiles + first_tile(q + 2) * kPkTileBytes) : nullptr;
+    // 2. wide: token blocks outside (a block's activations stay in L1 for its 4 panels);
+    //    narrow: panels outside (a panel stays in L1 for every block)
+    for (int64_t call = 0; call < calls; ++call) {
+      const int64_t b = wide ? call / 4 : call % blocks;
+      const int mm = static_cast<int>(wide ? call % 4 : call / blocks);
+      const int64_t t0 = b * kMaxNb, nb = std::min<int64_t>(kMaxNb, n - t0);
+      dec.end = fts * (call + 1) / calls;
+      const char* pf = b == 0 && ahead ? ahead + mm * tn * (kPkTileBytes / 4) : nullptr;
+      panel_tokens(buf + mm * tn * kMediumWords, tn * 8, job.x + t0 * job.kp + tc0 * kTile, job.kp, nb, pf,
+                   acc + (mm * n + t0) * 64, fts ? &dec : nullptr);
+    }
+    if (fts) {
+      bad = patch_tiles(w, first_tile(q + 1), dec.tn, dec.dst);
+      if (bad >= 0) {
+        report_bad(job.bad_tile, bad);
+        return;
       }
     }
-    for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc + mm * n * 64, n, tm * kTile + mm * kPanelRows);  // 3.
+    if (tc0 + tn == kt)  // 3. the row is complete
+      for (int mm = 0; mm < 4; ++mm) finish_panel(job, acc + mm * n * 64, n, tm * kTile + mm * kPanelRows);
   }
+}
+
+void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+  if (job.n <= kStreamMaxN)
+    stream_gemm_rows(job, tm0, tm1);
+  else
+    buffered_gemm_rows(job, tm0, tm1);
 }
 
 // The decode step alone, W[m][k] out (tests it bit for bit against the reference decoder).

@@ -311,6 +311,45 @@ int64_t embedding_call(const EmbeddingCall& c) {
 
 constexpr int64_t kBf16Rows = 4;
 
+// Work items of the panel kernel: (job, tm0, tm1).
+using RowRun = std::array<int64_t, 3>;
+
+// Appends job's tile rows 0 .. mt - 1 as runs of kBf16Rows consecutive rows (the kernel prefetches
+// the next chunk of records across row ends, and its buffered path decodes it while it multiplies
+// the current one).
+void add_row_runs(std::vector<RowRun>& items, int64_t job, int64_t mt) {
+  for (int64_t tm = 0; tm < mt; tm += kBf16Rows) items.push_back({job, tm, std::min(tm + kBf16Rows, mt)});
+}
+
+// The items' last 2 tile rows per thread split into items of one row, so that the threads (which
+// take items in order) finish together. Measured (2-core Zen 4, 11008x4096 = 172 tile rows, 43
+// runs of 4): 1.02-1.10x at 1-16 tokens, 1.01-1.07x from 24 up.
+void split_tail(std::vector<RowRun>& items, int threads) {
+  int64_t tail = 2 * static_cast<int64_t>(std::max(threads, 1));
+  std::vector<RowRun> singles;
+  while (tail > 0 && !items.empty()) {
+    const RowRun last = items.back();
+    items.pop_back();
+    const int64_t take = std::min(tail, last[2] - last[1]);
+    for (int64_t tm = last[2] - 1; tm >= last[2] - take; --tm) singles.push_back({last[0], tm, tm + 1});
+    tail -= take;
+    if (last[2] - take > last[1]) {  // the run's first rows stay one item
+      items.push_back({last[0], last[1], last[2] - take});
+      break;
+    }
+  }
+  items.insert(items.end(), singles.rbegin(), singles.rend());
+}
+
+// Runs every item through the panel kernel on `threads` threads.
+void run_row_runs(const std::vector<Bf16GemmJob>& jobs, const std::vector<RowRun>& items, int threads) {
+  const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
+  auto body = [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) fn(jobs[items[i][0]], items[i][1], items[i][2]);
+  };
+  parallel_for(static_cast<int64_t>(items.size()), threads, body);
+}
+
 // y[n, m] = x[n, k] . W^T + bias by the AVX512-BF16 panel kernel on checked, contiguous bf16 buffers
 // (bias may be null); the caller has released the GIL. False when a thread's scratch could not be
 // allocated (y is then incomplete).
@@ -325,13 +364,11 @@ bool panel_rows(const Packed& w, const uint16_t* xs, int64_t n, const uint16_t* 
     xs = xb.data();
   }
   std::atomic<bool> oom{false};
-  const Bf16GemmJob job{w, xs, n, kp, bias, y, &bad, &oom};
-  const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
-  // Runs of kBf16Rows consecutive tile rows per item: the kernel prefetches
-  // the next chunk of records (across row ends) while it multiplies the current one.
-  const int64_t items = (w.mt + kBf16Rows - 1) / kBf16Rows;
-  auto body = [&](int64_t a, int64_t b) { fn(job, a * kBf16Rows, std::min(b * kBf16Rows, w.mt)); };
-  parallel_for(items, threads, body);
+  const std::vector<Bf16GemmJob> jobs{Bf16GemmJob{w, xs, n, kp, bias, y, &bad, &oom}};
+  std::vector<RowRun> items;
+  add_row_runs(items, 0, w.mt);
+  split_tail(items, threads);
+  run_row_runs(jobs, items, threads);
   return !oom.load();
 }
 
@@ -459,7 +496,7 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
                   std::atomic<bool>& oom) {
   std::vector<std::atomic<int64_t>> bad(static_cast<size_t>(e_count));
   std::vector<Bf16GemmJob> jobs;
-  std::vector<std::array<int64_t, 3>> items;  // (job, tm0, tm1)
+  std::vector<RowRun> items;
   jobs.reserve(static_cast<size_t>(e_count));
   for (int64_t e = 0; e < e_count; ++e) {
     bad[e].store(-1);
@@ -467,14 +504,10 @@ bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, 
     if (n == 0) continue;
     const Packed w = expert_view(table + kExpertCols * e, m, k);
     jobs.push_back(Bf16GemmJob{w, x + bounds[e] * k, n, k, nullptr, y + bounds[e] * m, &bad[e], &oom});
-    for (int64_t tm = 0; tm < w.mt; tm += kBf16Rows)
-      items.push_back({static_cast<int64_t>(jobs.size()) - 1, tm, std::min(tm + kBf16Rows, w.mt)});
+    add_row_runs(items, static_cast<int64_t>(jobs.size()) - 1, w.mt);
   }
-  const Bf16GemmRowsFn fn = avx512bf16_gemm_rows();
-  auto body = [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) fn(jobs[items[i][0]], items[i][1], items[i][2]);
-  };
-  parallel_for(static_cast<int64_t>(items.size()), threads, body);
+  split_tail(items, threads);
+  run_row_runs(jobs, items, threads);
   for (int64_t e = 0; e < e_count; ++e)
     if (bad[e].load() >= 0) {
       bad_e = e;
