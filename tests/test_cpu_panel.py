@@ -119,22 +119,26 @@ def test_gemm_reads_every_weight_exactly(n):
 
 
 @needs_bf16
-@pytest.mark.parametrize("n", (19, 25, 49))
+@pytest.mark.parametrize("n", (19, 25, 48, 49))
 def test_buffered_path_decodes_the_next_chunk_exactly(n):
     """The buffered path's decode of chunk q + 1 interleaved with the multiply of chunk q, bit for bit:
     6 tile rows of 65 tiles (chunks of 8 tiles below 48 tokens, of 32, 32 and 1 tiles from 48 on;
     exceptions in every one), on one thread (its first work item is 4 rows long, so the chunk
-    sequence crosses rows) and on two."""
+    sequence crosses rows) and on two; and 6 rows of 8 tiles (a chunk per row)."""
     w = _normal_patterns((384, 65 * 64), seed=n)
     assert int(cpu_kernels.pack(w).exc.numel()) > 1000
     for threads in (1, 2):
         assert torch.equal(_bits(_one_hot_columns(w, n, threads=threads)), _bits(w))
+    # rows of one 8-tile chunk: below 48 tokens each chunk is a row, the next decoded while it runs
+    w = _normal_patterns((384, 8 * 64), seed=n + 1)
+    assert torch.equal(_bits(_one_hot_columns(w, n, threads=1)), _bits(w))
 
 
 @needs_bf16
 @pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 18, 19, 20, 33, 50))  # every register block, all paths
 def test_gemm_within_bound(n):
-    # 520 rows: 9 tile rows, 3 work items of 4 rows, so 2 and 3 threads really split the work
+    # 520 rows: 9 tile rows, several work items (runs of 4 rows, the last rows one per item), so 2
+    # and 3 threads really split the work
     w = _weight(520, 4096 + 70, seed=n)
     w[5, :40] = _weight(1, 40, seed=2, scale=30.0)  # exceptions
     pt = cpu_kernels.pack(w)
@@ -257,7 +261,7 @@ def test_malformed_exception_lists_are_refused(kind):
 
 @needs_bf16
 @pytest.mark.parametrize("tile", (12, 40))
-@pytest.mark.parametrize("kind", ("not_ascending", "d_out_of_tile"))
+@pytest.mark.parametrize("kind", ("not_ascending", "d_out_of_tile", "start_past_end"))
 def test_malformed_tile_in_a_later_chunk_is_named(tile, kind):
     """Both paths walk a tile row in chunks (8 tiles; the buffered path's from 48 tokens: 32), the
     buffered path decoding the next while it multiplies the current one: a bad exception list in a
@@ -272,8 +276,9 @@ def test_malformed_tile_in_a_later_chunk_is_named(tile, kind):
     pt = cpu_kernels.pack(w)
     assert int(pt.exc_start[tile]) == 0 and int(pt.exc_start[tile + 1]) >= 2
     bad = _corrupt(pt, kind)
+    named = 47 if kind == "start_past_end" else tile  # (that corruption hits the last tile's range)
     for n in (1, 19, 48):
-        with pytest.raises(ValueError, match=rf"tile \(0, {tile}\) of the byte-split layout"):
+        with pytest.raises(ValueError, match=rf"tile \(0, {named}\) of the byte-split layout"):
             cpu_kernels.packed_linear(torch.ones(n, k, dtype=torch.bfloat16), bad, kernel="panel")
 
 

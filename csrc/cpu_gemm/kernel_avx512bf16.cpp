@@ -70,7 +70,7 @@ namespace {
 constexpr int kPanelRows = 16;                    // a medium tile row
 constexpr int kMediumWords = 16 * kFragElems;     // 16 FTs of a medium tile
 constexpr int kMaxNb = 6;                         // tokens per register block
-constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // next-row lines prefetched per 8-column group (3)
+constexpr int kPfLinesPerGroup = kPkTileBytes / 4 / 8 / 64;  // record lines prefetched per 8-column group: a chunk per 4 panel passes (3)
 
 // Per-thread buffer of T, grown on demand (never freed while the thread lives). get() returns
 // nullptr when out of memory: the caller sets its job's oom flag and returns (no exception may
@@ -139,7 +139,8 @@ struct ChunkDecode {
   int64_t tn = 0, next = 0, end = 0;
 };
 
-inline void decode_chunk_ft(const ChunkDecode& d, int64_t f, __m512i shifts, __m512i nib) {
+__attribute__((always_inline)) inline void decode_chunk_ft(const ChunkDecode& d, int64_t f, __m512i shifts,
+                                                          __m512i nib) {
   const int64_t tc = f >> 6, p = f & 63;
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d.luts + tc * kPkLutEntries)));
   __m512i w0, w1;
@@ -150,7 +151,7 @@ inline void decode_chunk_ft(const ChunkDecode& d, int64_t f, __m512i shifts, __m
 }
 
 // FTs dec.next .. stop - 1 (decode_chunk_ft), dec.next advanced to stop.
-inline void decode_chunk_until(ChunkDecode& dec, int64_t stop) {
+__attribute__((always_inline)) inline void decode_chunk_until(ChunkDecode& dec, int64_t stop) {
   const __m512i shifts = ft_shifts(), nib = ft_nib();
   const ChunkDecode d = dec;
   for (int64_t f = d.next; f < stop; ++f) decode_chunk_ft(d, f, shifts, nib);
@@ -167,6 +168,7 @@ inline void decode_chunk_until(ChunkDecode& dec, int64_t stop) {
 // 8-tile interleaved 1.0-1.03x at 24-32 tokens, 0.97-0.98x at 64-128; 32-tile 1.01-1.04x from 64
 // up, 0.95-1.0x at 24-32.
 constexpr int64_t kWideMinN = 48, kWideChunk = 32;
+constexpr int64_t kHalfSkew = 33 * 32;  // words (33 cache lines) between the double buffer's halves
 constexpr int64_t kDecodeStep = 8;
 static_assert(kFragsPerTile == 64, "decode_chunk_ft: FT f of a chunk is FT f & 63 of its tile f >> 6");
 constexpr int64_t kChunk = 8;  // tiles per step of the streaming path and the narrow buffered path: 48 KiB of records
@@ -215,7 +217,7 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
     }
     if (quota) decode_chunk_until(*dec, f0 + quota * g / whole);
   }
-  if (dec) decode_chunk_until(*dec, dec->end);  // (no whole group: a block of fewer than S groups)
+  if (dec) decode_chunk_until(*dec, dec->end);  // (whole == 0: fewer groups than S; never with chunks of 8+ tiles)
   for (; g < groups; ++g) {  // (S = 2 and an odd number of groups)
     const uint16_t* w = buf + g * 128;
     for (int t = 0; t < NB; ++t) {
@@ -579,10 +581,13 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
 void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
+  if (tm1 <= tm0 || kt <= 0) return;
   const bool wide = n >= kWideMinN;
   const int64_t chunk = wide ? kWideChunk : kChunk;
   const int64_t per_row = (kt + chunk - 1) / chunk, chunks = (tm1 - tm0) * per_row;
-  const size_t half = static_cast<size_t>(4 * chunk * kMediumWords);
+  // the second half kHalfSkew words further than the first's end: the decode's stores and the
+  // multiply's loads then differ in their low 12 address bits (4K aliasing; measured 1.0-1.03x)
+  const size_t half = static_cast<size_t>(4 * chunk * kMediumWords + kHalfSkew);
   uint16_t* bufs = panel_buf.get(2 * half);
   float* acc = acc_buf.get(static_cast<size_t>(4 * n * 64));
   if (bufs == nullptr || acc == nullptr) {
@@ -618,17 +623,19 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
       dec.dst = bufs + ((q + 1) & 1) * half;
       fts = dec.tn * kFragsPerTile;
     }
-    // chunk q + 2's records into L2, a quarter per panel, by the first token block
-    const char* ahead =
-        q + 2 < chunks ? reinterpret_cast<const char*>(w.tiles + first_tile(q + 2) * kPkTileBytes) : nullptr;
+    // chunk q + 2's records into L2, a quarter per panel, by the first token block (past the work
+    // item's end too, as the next item's first chunks follow; prefetches do not fault)
+    const char* ahead = reinterpret_cast<const char*>(w.tiles + first_tile(q + 2) * kPkTileBytes);
     // 2. wide: token blocks outside (a block's activations stay in L1 for its 4 panels);
     //    narrow: panels outside (a panel stays in L1 for every block)
+    int64_t done = 0;  // token-panels multiplied: each call decodes its block's share of chunk q + 1
     for (int64_t call = 0; call < calls; ++call) {
       const int64_t b = wide ? call / 4 : call % blocks;
       const int mm = static_cast<int>(wide ? call % 4 : call / blocks);
       const int64_t t0 = b * kMaxNb, nb = std::min<int64_t>(kMaxNb, n - t0);
-      dec.end = fts * (call + 1) / calls;
-      const char* pf = b == 0 && ahead ? ahead + mm * tn * (kPkTileBytes / 4) : nullptr;
+      done += nb;
+      dec.end = fts * done / (4 * n);
+      const char* pf = b == 0 ? ahead + mm * tn * (kPkTileBytes / 4) : nullptr;
       panel_tokens(buf + mm * tn * kMediumWords, tn * 8, job.x + t0 * job.kp + tc0 * kTile, job.kp, nb, pf,
                    acc + (mm * n + t0) * 64, fts ? &dec : nullptr);
     }

@@ -488,7 +488,8 @@ void check_table(const py::array& table, const char* name, int64_t e_count, int6
 const char kOutOfMemory[] = "out of memory";
 
 // Y[rows of e] = X[rows of e] . W_e^T for every expert with rows, as one
-// parallel loop over (expert, run of kBf16Rows tile rows) items; false, with
+// parallel loop over (expert, run of kBf16Rows tile rows) items (the last
+// rows one per item: split_tail); false, with
 // (expert, tile) in bad_e / bad_g, when a tile is malformed. oom is set when a
 // thread's scratch could not be allocated (Y incomplete).
 bool experts_gemm(const int64_t* table, const int64_t* bounds, int64_t e_count, int64_t m, int64_t k,
