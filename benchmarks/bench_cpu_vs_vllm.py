@@ -14,8 +14,9 @@ N in 1, 2, 4, ..., 512, with the same thread count everywhere:
   the plugin runs.
 
 Weights are cache-cold: a 64 MiB buffer is read between calls (the weights
-themselves are 24-90 MB). Medians of ``--reps`` interleaved repetitions; the
-host's model name and ISA flags go with every number.
+themselves are 24-90 MB). Medians of ``--reps`` interleaved repetitions, the
+variants' order rotated from one repetition to the next; the host's model
+name and ISA flags go with every number.
 
     .venv/bin/python benchmarks/bench_cpu_vs_vllm.py [--shapes 11008x4096] [--ns 1,2,4] [--reps 9]
 
@@ -104,11 +105,13 @@ def main() -> int:
             for f in fns.values():
                 f()
             t = {name: [] for name in fns}
-            for _ in range(args.reps):
-                for name, f in fns.items():
+            names = list(fns)
+            for rep in range(args.reps):
+                # each repetition starts at the next variant, so that none always runs in one slot
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
                     flush()
                     t0 = time.perf_counter()
-                    f()
+                    fns[name]()
                     t[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(v) for name, v in t.items()}
             row = dict(M=m, K=k, N=n, threads=args.threads, chosen=cpu_dispatch.choose(n, m, k),

@@ -137,7 +137,7 @@ def test_buffered_path_decodes_the_next_chunk_exactly(n):
 @needs_bf16
 @pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 18, 19, 20, 33, 50))  # every register block, all paths
 def test_gemm_within_bound(n):
-    # 520 rows: 9 tile rows, several work items (runs of 4 rows, the last rows one per item), so 2
+    # 520 rows: 9 tile rows, 3 runs of 4 rows (with 2 threads the last rows one per item), so 2
     # and 3 threads really split the work
     w = _weight(520, 4096 + 70, seed=n)
     w[5, :40] = _weight(1, 40, seed=2, scale=30.0)  # exceptions

@@ -27,9 +27,10 @@
 //      blocks outside (fewer accumulator loads and stores per dot product).
 //   3. y = the 4 lanes of a row summed ((l0 + l1) + (l2 + l3)), + bias, RNE to
 //      bf16 (any NaN -> 0x7FC0).
-// Measured (2-core Zen 4, against the earlier design: 8-tile chunks decoded in
-// a step of their own, panels outside; docs/CPU.md): 1.0-1.04x from 24 to
-// 512 tokens.
+// Measured (2-core Zen 4, cache-cold weights; the previous build and this one
+// loaded side by side in one process, calls alternating, then the roles of the
+// two module copies swapped; docs/CPU.md): 1.0-1.03x from 24 to 512 tokens on
+// 11008x4096 and 4096x4096, 0.97-1.02x on 4096x11008.
 //
 // Numerics (docs/CPU.md, "Numerical bounds"): vdpbf16ps multiplies BF16
 // pairs exactly in fp32 and adds them to the accumulator with round to
