@@ -257,74 +257,68 @@ int64_t first_bad_range(const Packed& w, int64_t g0, int64_t g1) {
   return -1;
 }
 
-// Whether the next exception entry (e < e_end) belongs to medium tile mm (d >> 10 == mm).
-inline bool exc_in_medium(const uint32_t* e, const uint32_t* e_end, int mm) {
-  return e < e_end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm;
-}
-
-// Applies the exceptions of medium tile mm (decoded at dst), advancing e past them; prev is the
-// tile's last position seen. False when they are not in ascending order.
-inline bool patch_medium(int mm, uint16_t* dst, const uint32_t*& e, const uint32_t* e_end, int64_t& prev) {
-  uint8_t* b = reinterpret_cast<uint8_t*>(dst);
+// A tile's exception list as it is walked: the next entry, the list's end, the last position seen,
+// whether the entries so far ascend.
+struct TileExc {
+  const uint32_t* e;
+  const uint32_t* end;
+  int64_t prev = -1;
   bool ordered = true;
-  for (; exc_in_medium(e, e_end, mm); ++e) {
-    const int64_t d = *e >> kPkExcShift;
-    ordered &= d > prev;
-    prev = d;
-    b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*e);
+  TileExc(const Packed& w, int64_t g) : e(w.exc + w.exc_start[g]), end(w.exc + w.exc_start[g + 1]) {}
+  // whether the next entry belongs to medium tile mm (d >> 10 == mm)
+  bool in_medium(int mm) const { return e < end && static_cast<int>(*e >> (kPkExcShift + 10)) == mm; }
+  // every entry belonged to the tile (d < 4096), in ascending order
+  bool ok() const { return ordered && e == end; }
+};
+
+// Applies the exceptions of medium tile mm (decoded at dst), advancing x past them.
+inline void patch_medium(int mm, uint16_t* dst, TileExc& x) {
+  uint8_t* b = reinterpret_cast<uint8_t*>(dst);
+  for (; x.in_medium(mm); ++x.e) {
+    const int64_t d = *x.e >> kPkExcShift;
+    x.ordered &= d > x.prev;
+    x.prev = d;
+    b[2 * (((d >> 6) & 15) * kFragElems + ft_word(static_cast<int>(d & 63))) + 1] = static_cast<uint8_t>(*x.e);
   }
-  return ordered;
 }
 
 // Decodes medium tile mm of tile g (16 FTs) into dst and applies its exceptions (patch_medium).
-inline bool decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, const uint32_t*& e,
-                          const uint32_t* e_end, int64_t& prev) {
+inline void decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, TileExc& x) {
   const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
 #pragma GCC unroll 4
   for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
-  return patch_medium(mm, dst, e, e_end, prev);
+  patch_medium(mm, dst, x);
 }
 
 inline __m512i tile_lut(const Packed& w, int64_t g) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
 }
 
-// Step 1 for tiles g0 .. g0 + tn - 1 of one tile row: checks them and decodes
-// them, a sequential walk of their records, medium tile mm of tile g0 + tc
-// into panel mm at buf + (mm * tn + tc) * kMediumWords. Returns the first
-// malformed tile, or -1.
-int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
-  const int64_t bad_range = first_bad_range(w, g0, g0 + tn);
-  if (bad_range >= 0) return bad_range;
-  for (int64_t tc = 0; tc < tn; ++tc) {
-    const int64_t g = g0 + tc;
-    const __m512i lut = tile_lut(w, g);
-    const uint32_t* e = w.exc + w.exc_start[g];
-    const uint32_t* e_end = w.exc + w.exc_start[g + 1];
-    int64_t prev = -1;
-    bool ordered = true;
-    for (int mm = 0; mm < 4; ++mm)
-      ordered &= decode_medium(w, g, mm, lut, buf + (mm * tn + tc) * kMediumWords, e, e_end, prev);
-    // every entry belonged to the tile (d < 4096), in ascending order
-    if (!ordered || e != e_end) return g;
-  }
-  return -1;
-}
-
 // The exceptions of tiles g0 .. g0 + tn - 1, whose FTs are decoded in buf (decode_tiles' layout),
 // applied. Returns the first tile whose list is malformed, or -1.
 int64_t patch_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
   for (int64_t tc = 0; tc < tn; ++tc) {
-    const int64_t g = g0 + tc;
-    const uint32_t* e = w.exc + w.exc_start[g];
-    const uint32_t* e_end = w.exc + w.exc_start[g + 1];
-    int64_t prev = -1;
-    bool ordered = true;
-    for (int mm = 0; mm < 4 && e != e_end; ++mm)
-      ordered &= patch_medium(mm, buf + (mm * tn + tc) * kMediumWords, e, e_end, prev);
-    if (!ordered || e != e_end) return g;
+    TileExc x(w, g0 + tc);
+    for (int mm = 0; mm < 4; ++mm) patch_medium(mm, buf + (mm * tn + tc) * kMediumWords, x);
+    if (!x.ok()) return g0 + tc;
   }
   return -1;
+}
+
+// Step 1 for tiles g0 .. g0 + tn - 1 of one tile row, in one go: checks their ranges, decodes
+// them (a sequential walk of their records, medium tile mm of tile g0 + tc into panel mm at
+// buf + (mm * tn + tc) * kMediumWords: decode_chunk_ft's layout) and patches their exceptions.
+// Returns the first malformed tile, or -1.
+int64_t decode_tiles(const Packed& w, int64_t g0, int64_t tn, uint16_t* buf) {
+  const int64_t bad_range = first_bad_range(w, g0, g0 + tn);
+  if (bad_range >= 0) return bad_range;
+  ChunkDecode d;
+  d.rec = w.tiles + g0 * kPkTileBytes;
+  d.luts = w.luts + g0 * kPkLutEntries;
+  d.dst = buf;
+  d.tn = tn;
+  decode_chunk_until(d, tn * kFragsPerTile);
+  return patch_tiles(w, g0, tn, buf);
 }
 
 // Step 3 for the n tokens of the panel whose first row is row0: part holds
@@ -532,18 +526,15 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
       // exceptions: the medium tiles that have any are decoded and patched here
       for (int64_t tc = 0; tc < tn; ++tc) {
         const int64_t g = g0 + tc;
-        const uint32_t* e = w.exc + w.exc_start[g];
-        const uint32_t* e_end = w.exc + w.exc_start[g + 1];
-        int64_t prev = -1;
-        bool ordered = true;
+        TileExc x(w, g);
         const __m512i lut = tile_lut(w, g);
         for (int mm = 0; mm < 4; ++mm) {
           patched[mm][tc] = nullptr;
-          if (!exc_in_medium(e, e_end, mm)) continue;
+          if (!x.in_medium(mm)) continue;
           patched[mm][tc] = pbuf + (tc * 4 + mm) * kMediumWords;
-          ordered &= decode_medium(w, g, mm, lut, patched[mm][tc], e, e_end, prev);
+          decode_medium(w, g, mm, lut, patched[mm][tc], x);
         }
-        if (!ordered || e != e_end) {  // every entry belonged to the tile (d < 4096), in ascending order
+        if (!x.ok()) {
           report_bad(job.bad_tile, g);
           return;
         }
