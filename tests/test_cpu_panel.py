@@ -260,12 +260,13 @@ def test_malformed_exception_lists_are_refused(kind):
 
 
 @needs_bf16
-@pytest.mark.parametrize("tile", (12, 40))
-@pytest.mark.parametrize("kind", ("not_ascending", "d_out_of_tile", "start_past_end"))
-def test_malformed_tile_in_a_later_chunk_is_named(tile, kind):
+@pytest.mark.parametrize("kind, tile", [("not_ascending", 12), ("not_ascending", 40), ("d_out_of_tile", 12),
+                                        ("d_out_of_tile", 40), ("start_past_end", 40)])
+def test_malformed_tile_in_a_later_chunk_is_named(kind, tile):
     """Both paths walk a tile row in chunks (8 tiles; the buffered path's from 48 tokens: 32), the
     buffered path decoding the next while it multiplies the current one: a bad exception list in a
-    later chunk (the only tile with exceptions) is found and named."""
+    later chunk (the only tile with exceptions; tile 12 is in the first 32-tile chunk, tile 40 in
+    the second) is found and named; so is a bad range (the last tile's, 47)."""
     k = 48 * 64
     g = torch.Generator().manual_seed(5)
     # 14 high bytes (both signs, 14 exponents) in every tile: room in its table, so the planted values

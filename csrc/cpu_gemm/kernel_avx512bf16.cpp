@@ -165,9 +165,9 @@ __attribute__((always_inline)) inline void decode_chunk_until(ChunkDecode& dec, 
 // inside (a 16 KiB panel stays in L1 for all the blocks); from kWideMinN on, chunks of
 // kWideChunk = 32 tiles (2048 columns), token blocks outside (a panel_block call runs 256 groups,
 // so its 24 accumulators' loads and stores weigh 4x less). Measured side by side (2-core Zen 4,
-// 4096x4096 and 11008x4096, against 8-tile chunks decoded in a step of their own, panels outside):
-// 8-tile interleaved 1.0-1.03x at 24-32 tokens, 0.97-0.98x at 64-128; 32-tile 1.01-1.04x from 64
-// up, 0.95-1.0x at 24-32.
+// 4096x4096 and 11008x4096, against 8-tile chunks decoded in a step of their own, panels outside;
+// docs/CPU.md): 8-tile interleaved 1.0-1.04x at 24-32 tokens, 0.98-1.0x at 64-128; 32-tile
+// 1.0-1.04x at 64-128, 1.02-1.04x at 512, 0.95-1.0x at 24-32.
 constexpr int64_t kWideMinN = 48, kWideChunk = 32;
 constexpr int64_t kHalfSkew = 33 * 32;  // words (33 cache lines) between the double buffer's halves
 constexpr int64_t kDecodeStep = 8;
@@ -218,7 +218,7 @@ void panel_block(const uint16_t* buf, int64_t groups, const uint16_t* x, int64_t
     }
     if (quota) decode_chunk_until(*dec, f0 + quota * g / whole);
   }
-  if (dec) decode_chunk_until(*dec, dec->end);  // (whole == 0: fewer groups than S; never with chunks of 8+ tiles)
+  if (dec) decode_chunk_until(*dec, dec->end);  // (whole == 0: fewer groups than S; never, as a tile has 8)
   for (; g < groups; ++g) {  // (S = 2 and an odd number of groups)
     const uint16_t* w = buf + g * 128;
     for (int t = 0; t < NB; ++t) {
@@ -380,7 +380,8 @@ void finish_panel(const Bf16GemmJob& job, const float* part, int64_t n, int64_t 
 // lost from 12 tokens on).
 constexpr int kStreamNb = 6;          // tokens per register block
 constexpr int64_t kStreamMaxN = 18;   // the streaming path up to this many tokens
-// (kChunk: measured on the streaming path, 4 and 8 alike, 16 slower, 64 1.2-1.6x slower)
+// (kChunk: measured when the buffered path decoded each chunk in a step of its own and was used
+// from 5 tokens: 4 and 8 tiles alike, 16 slower, 64 1.2-1.6x slower; docs/CPU.md)
 
 template <int NB>
 __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* luts, int64_t g0, int64_t tn, int mm,
@@ -566,8 +567,8 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
 
 // job.n > kStreamMaxN: this thread's tile rows tm0 .. tm1 - 1 as one sequence of chunks (kChunk
 // or kWideChunk tiles; a row's last chunk may be shorter), chunk q multiplied from one half of a
-// double buffer while chunk q + 1 is decoded into the other, an equal share per panel_block call,
-// and chunk q + 2's records are prefetched into L2 by the first token block. Only the first chunk
+// double buffer while chunk q + 1 is decoded into the other, each panel_block call decoding a
+// share in proportion to its block's tokens, and chunk q + 2's records are prefetched into L2 by the first token block. Only the first chunk
 // is decoded on its own. Each chunk is checked before its decode starts, its exceptions patched
 // once it is whole (patch_tiles).
 void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
@@ -599,7 +600,7 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
     const int64_t tm = tm0 + q / per_row, tc0 = (q % per_row) * chunk, tn = tiles_of(q);
     const uint16_t* buf = bufs + (q & 1) * half;
     if (tc0 == 0) std::memset(acc, 0, static_cast<size_t>(4 * n * 64) * sizeof(float));
-    // 1. chunk q + 1, an equal share per panel_block call
+    // 1. chunk q + 1, each call's share in proportion to its block's tokens
     ChunkDecode dec;
     int64_t fts = 0;
     if (q + 1 < chunks) {

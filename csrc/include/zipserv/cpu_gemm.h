@@ -167,7 +167,7 @@ struct Bf16GemmJob {
   const uint16_t* bias;  // [m] bf16 bits or nullptr
   uint16_t* y;           // [n][m] bf16 bits
   std::atomic<int64_t>* bad_tile;
-  std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (y is then incomplete)
+  std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (y is then incomplete); never null
 };
 using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1);
 Bf16GemmRowsFn avx512bf16_gemm_rows();
