@@ -94,12 +94,17 @@ def _one_hot_columns(w: torch.Tensor, n: int, threads: int | None = None) -> tor
     return cols.T.contiguous()
 
 
-def _normal_patterns(shape, seed) -> torch.Tensor:
-    """Every finite normal BF16 pattern (zero / subnormal / inf / NaN patterns replaced by 1.0), shuffled,
-    repeated to fill shape."""
+def _finite_normal(seed) -> torch.Tensor:
+    """All 65,536 BF16 patterns, shuffled (256 x 256), with the zero / subnormal / inf / NaN ones
+    replaced by 1.0."""
     pats = _all_patterns((256, 256), seed=seed).view(torch.int16)
     exp = (pats.int() >> 7) & 0xFF
-    normal = torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(-1)
+    return torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(torch.bfloat16)
+
+
+def _normal_patterns(shape, seed) -> torch.Tensor:
+    """Every finite normal BF16 pattern (_finite_normal), shuffled, repeated to fill shape."""
+    normal = _finite_normal(seed).view(torch.int16).view(-1)
     reps = -(-shape[0] * shape[1] // normal.numel())
     perm = torch.randperm(reps * normal.numel(), generator=torch.Generator().manual_seed(seed))
     return normal.repeat(reps)[perm][: shape[0] * shape[1]].reshape(shape).view(torch.bfloat16)
@@ -110,9 +115,7 @@ def _normal_patterns(shape, seed) -> torch.Tensor:
 def test_gemm_reads_every_weight_exactly(n):
     """Both multiply paths' decodes, bit for bit: every finite normal BF16 pattern (exceptions, patched
     medium tiles) and Gaussian tiles (decoded in registers by the streaming path)."""
-    pats = _all_patterns((256, 256), seed=3).view(torch.int16)
-    exp = (pats.int() >> 7) & 0xFF
-    normal = torch.where((exp == 0) | (exp == 255), torch.full_like(pats, 0x3F80), pats).view(torch.bfloat16)
+    normal = _finite_normal(seed=3)
     # the same patterns 64 x 1024: exceptions in both 8-tile chunks of each tile row
     for w in (normal, _weight(130, 300, seed=4), normal.reshape(64, 1024)):
         assert torch.equal(_bits(_one_hot_columns(w, n)), _bits(w))

@@ -106,6 +106,11 @@ inline int ft_word(int p) { return ((p >> 3) & 1) * 32 + (p >> 4) * 8 + (p & 7);
 inline __m512i ft_shifts() { return _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4); }
 inline __m512i ft_nib() { return _mm512_set1_epi8(0x0F); }
 
+// A tile's 16-entry table (at t) in every 128-bit lane.
+inline __m512i lut_at(const uint8_t* t) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
 // One FT record (96 bytes) -> its 64 words in two registers: the low bytes
 // loaded, the code bytes [c0 | c1] (16 each) spread to lanes [c0 | c0 | c1 | c1],
 // the low / high nibble per lane (positions 0-15, 16-31, 32-47, 48-63) looked
@@ -120,10 +125,11 @@ inline void ft_words(const uint8_t* r, __m512i lut, __m512i shifts, __m512i nib,
   w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// One FT record -> its 64 words at dst (two 512-bit stores).
-inline void decode_ft(const uint8_t* r, __m512i lut, uint16_t* dst) {
+// One FT record -> its 64 words at dst (two 512-bit stores); shifts and nib as for ft_words.
+__attribute__((always_inline)) inline void decode_ft(const uint8_t* r, __m512i lut, __m512i shifts, __m512i nib,
+                                                    uint16_t* dst) {
   __m512i w0, w1;
-  ft_words(r, lut, ft_shifts(), ft_nib(), w0, w1);
+  ft_words(r, lut, shifts, nib, w0, w1);
   _mm512_store_si512(dst, w0);
   _mm512_store_si512(dst + 32, w1);
 }
@@ -143,12 +149,8 @@ struct ChunkDecode {
 __attribute__((always_inline)) inline void decode_chunk_ft(const ChunkDecode& d, int64_t f, __m512i shifts,
                                                           __m512i nib) {
   const int64_t tc = f >> 6, p = f & 63;
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d.luts + tc * kPkLutEntries)));
-  __m512i w0, w1;
-  ft_words(d.rec + f * kPkFtBytes, lut, shifts, nib, w0, w1);
-  uint16_t* o = d.dst + ((p >> 4) * d.tn + tc) * kMediumWords + (p & 15) * kFragElems;
-  _mm512_store_si512(o, w0);
-  _mm512_store_si512(o + 32, w1);
+  decode_ft(d.rec + f * kPkFtBytes, lut_at(d.luts + tc * kPkLutEntries), shifts, nib,
+            d.dst + ((p >> 4) * d.tn + tc) * kMediumWords + (p & 15) * kFragElems);
 }
 
 // FTs dec.next .. stop - 1 (decode_chunk_ft), dec.next advanced to stop.
@@ -286,13 +288,11 @@ inline void patch_medium(int mm, uint16_t* dst, TileExc& x) {
 inline void decode_medium(const Packed& w, int64_t g, int mm, __m512i lut, uint16_t* dst, TileExc& x) {
   const uint8_t* ft = w.tiles + g * kPkTileBytes + mm * 16 * kPkFtBytes;
 #pragma GCC unroll 4
-  for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, dst + fi * kFragElems);
+  for (int fi = 0; fi < 16; ++fi) decode_ft(ft + fi * kPkFtBytes, lut, ft_shifts(), ft_nib(), dst + fi * kFragElems);
   patch_medium(mm, dst, x);
 }
 
-inline __m512i tile_lut(const Packed& w, int64_t g) {
-  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.luts + g * kPkLutEntries)));
-}
+inline __m512i tile_lut(const Packed& w, int64_t g) { return lut_at(w.luts + g * kPkLutEntries); }
 
 // The exceptions of tiles g0 .. g0 + tn - 1, whose FTs are decoded in buf (decode_tiles' layout),
 // applied. Returns the first tile whose list is malformed, or -1.
@@ -401,7 +401,7 @@ __attribute__((noinline)) void stream_pass(const uint8_t* tiles, const uint8_t* 
       for (int i = 0; i < 16 * kPkFtBytes; i += 64) _mm_prefetch(pf + tc * (16 * kPkFtBytes) + i, _MM_HINT_T1);
     }
     const uint16_t* pb = patched[tc];
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(luts + g * kPkLutEntries)));
+    const __m512i lut = lut_at(luts + g * kPkLutEntries);
     const uint16_t* xc = x + tc * kTile;
 #pragma GCC unroll 2
     for (int cg = 0; cg < 8; ++cg) {
@@ -469,7 +469,7 @@ __attribute__((noinline)) void stream_half(const uint8_t* tiles, const uint8_t* 
       for (int i = 0; i < 8 * kPkFtBytes; i += 64) _mm_prefetch(pf + tc * (16 * kPkFtBytes) + i, _MM_HINT_T1);
     }
     const uint16_t* pb = patched[tc] ? patched[tc] + rb * kFragElems : nullptr;
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(luts + g * kPkLutEntries)));
+    const __m512i lut = lut_at(luts + g * kPkLutEntries);
     const uint16_t* xc = x + tc * kTile;
 #pragma GCC unroll 2
     for (int cg = 0; cg < 8; ++cg) {
@@ -568,9 +568,9 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
 // job.n > kStreamMaxN: this thread's tile rows tm0 .. tm1 - 1 as one sequence of chunks (kChunk
 // or kWideChunk tiles; a row's last chunk may be shorter), chunk q multiplied from one half of a
 // double buffer while chunk q + 1 is decoded into the other, each panel_block call decoding a
-// share in proportion to its block's tokens, and chunk q + 2's records are prefetched into L2 by the first token block. Only the first chunk
-// is decoded on its own. Each chunk is checked before its decode starts, its exceptions patched
-// once it is whole (patch_tiles).
+// share in proportion to its block's tokens, and chunk q + 2's records are prefetched into L2 by
+// the first token block. Only the first chunk is decoded on its own. Each chunk is checked before
+// its decode starts, its exceptions patched once it is whole (patch_tiles).
 void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
@@ -603,8 +603,8 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
     // 1. chunk q + 1, each call's share in proportion to its block's tokens
     ChunkDecode dec;
     int64_t fts = 0;
+    const int64_t g1 = first_tile(q + 1);
     if (q + 1 < chunks) {
-      const int64_t g1 = first_tile(q + 1);
       dec.tn = tiles_of(q + 1);
       bad = first_bad_range(w, g1, g1 + dec.tn);
       if (bad >= 0) {
@@ -633,7 +633,7 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
                    acc + (mm * n + t0) * 64, fts ? &dec : nullptr);
     }
     if (fts) {
-      bad = patch_tiles(w, first_tile(q + 1), dec.tn, dec.dst);
+      bad = patch_tiles(w, g1, dec.tn, dec.dst);
       if (bad >= 0) {
         report_bad(job.bad_tile, bad);
         return;
