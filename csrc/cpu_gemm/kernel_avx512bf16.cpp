@@ -366,7 +366,8 @@ void finish_panel(const Bf16GemmJob& job, const float* part, int64_t n, int64_t 
 // for each block of the chunk, panel by panel: panel mm reads medium
 // tile mm of each tile of a chunk of kChunk tiles (the accumulators stay in
 // registers across the chunk), and while it does, the records of the next
-// chunk (the next row's, past the row's end) are prefetched into L2, a
+// chunk (the next row's, past the row's end; after the item's last row the
+// first chunk of the thread's next item) are prefetched into L2, a
 // quarter per panel pass, so that the four passes over a chunk find it
 // there. Medium tiles with exceptions are decoded into a small buffer and
 // patched first. Each output is computed by one thread, so the bits do not depend
@@ -504,7 +505,8 @@ constexpr StreamHalfFn kStreamHalf[2] = {stream_half<7>, stream_half<8>};
 static_assert(kHalfMaxN - kHalfMinN + 1 == 2, "one stream_half instance per token count");
 
 // job.n <= kStreamMaxN: blocks of up to kStreamNb tokens, accumulators per thread ([4 panels][n][64]).
-void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+// The last chunk prefetches `after` (the thread's next work item) when given.
+void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const uint8_t* after) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
   float* accp = acc_buf.get(static_cast<size_t>(4 * n * 64));
@@ -540,9 +542,11 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
           return;
         }
       }
-      // the next chunk's records: the rest of this row, or the next row's first chunk
-      // (prefetching past the matrix is harmless: prefetches do not fault)
-      const char* next = reinterpret_cast<const char*>(w.tiles + (g0 + tn) * kPkTileBytes);
+      // the next chunk's records: the rest of this row, the next row's first chunk, or after the
+      // last row the thread's next item's (prefetching past the matrix is harmless: prefetches do
+      // not fault)
+      const bool last = tm + 1 == tm1 && c0 + tn == kt && after != nullptr;
+      const char* next = reinterpret_cast<const char*>(last ? after : w.tiles + (g0 + tn) * kPkTileBytes);
       if (n >= kHalfMinN && n <= kHalfMaxN) {  // two half passes per panel, each prefetching half its quarter
         for (int mm = 0; mm < 4; ++mm)
           for (int rb = 0; rb < 2; ++rb)
@@ -571,7 +575,7 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
 // share in proportion to its block's tokens, and chunk q + 2's records are prefetched into L2 by
 // the first token block. Only the first chunk is decoded on its own. Each chunk is checked before
 // its decode starts, its exceptions patched once it is whole (patch_tiles).
-void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const uint8_t* after) {
   const Packed& w = job.w;
   const int64_t kt = w.kt, n = job.n;
   if (tm1 <= tm0 || kt <= 0) return;
@@ -616,9 +620,12 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
       dec.dst = bufs + ((q + 1) & 1) * half;
       fts = dec.tn * kFragsPerTile;
     }
-    // chunk q + 2's records into L2, a quarter per panel, by the first token block (past the work
-    // item's end too, as the next item's first chunks follow; prefetches do not fault)
-    const char* ahead = reinterpret_cast<const char*>(w.tiles + first_tile(q + 2) * kPkTileBytes);
+    // chunk q + 2's records into L2, a quarter per panel, by the first token block; past the work
+    // item's end the first chunk of the thread's next item (`after`; nothing for its second chunk),
+    // or without one the records that follow (prefetches do not fault)
+    const uint8_t* ahead_rec = w.tiles + first_tile(q + 2) * kPkTileBytes;
+    if (after != nullptr && q + 2 >= chunks) ahead_rec = q + 2 == chunks ? after : nullptr;
+    const char* ahead = reinterpret_cast<const char*>(ahead_rec);
     // 2. wide: token blocks outside (a block's activations stay in L1 for its 4 panels);
     //    narrow: panels outside (a panel stays in L1 for every block)
     int64_t done = 0;  // token-panels multiplied: each call decodes its block's share of chunk q + 1
@@ -628,7 +635,7 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
       const int64_t t0 = b * kMaxNb, nb = std::min<int64_t>(kMaxNb, n - t0);
       done += nb;
       dec.end = fts * done / (4 * n);
-      const char* pf = b == 0 ? ahead + mm * tn * (kPkTileBytes / 4) : nullptr;
+      const char* pf = b == 0 && ahead != nullptr ? ahead + mm * tn * (kPkTileBytes / 4) : nullptr;
       panel_tokens(buf + mm * tn * kMediumWords, tn * 8, job.x + t0 * job.kp + tc0 * kTile, job.kp, nb, pf,
                    acc + (mm * n + t0) * 64, fts ? &dec : nullptr);
     }
@@ -644,11 +651,11 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
   }
 }
 
-void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1) {
+void bf16_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const uint8_t* after) {
   if (job.n <= kStreamMaxN)
-    stream_gemm_rows(job, tm0, tm1);
+    stream_gemm_rows(job, tm0, tm1, after);
   else
-    buffered_gemm_rows(job, tm0, tm1);
+    buffered_gemm_rows(job, tm0, tm1, after);
 }
 
 // The decode step alone, W[m][k] out (tests it bit for bit against the reference decoder).

@@ -56,5 +56,25 @@ void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t
   }
 }
 
+void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
+  install_fork_guard();
+  if (items <= 0) return;
+  if (threads > items) threads = static_cast<int>(items);
+  if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {
+    for (int64_t i = 0; i < items; ++i) fn(ctx, i, i + 1 < items ? i + 1 : -1);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    while (i < items) {
+      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      fn(ctx, i, j < items ? j : -1);
+      i = j;
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace zipserv

@@ -169,7 +169,10 @@ struct Bf16GemmJob {
   std::atomic<int64_t>* bad_tile;
   std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (y is then incomplete); never null
 };
-using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1);
+// Tile rows [tm0, tm1) of a job; `after` is the first record of what this thread computes next
+// (another job's or another run's first tile), prefetched while the last rows are multiplied, or
+// nullptr (then the records past tm1 are).
+using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1, const uint8_t* after);
 Bf16GemmRowsFn avx512bf16_gemm_rows();
 bool avx512bf16_supported();
 
@@ -242,6 +245,17 @@ inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
 // Registers the fork handler parallel_for relies on (called at module import).
 void install_fork_guard();
+
+// Runs fn(ctx, item, next) for every item of [0, items) on `threads` OpenMP threads, each thread
+// claiming its next item before it runs the current one, so that next (-1: none) is the item the
+// same thread runs afterwards: the current one can prefetch its data. Items are handed out
+// dynamically, one claimed ahead per thread.
+void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
+
+template <class Body>
+void parallel_claims(int64_t items, int threads, Body& body) {
+  parallel_claims(items, threads, [](void* c, int64_t i, int64_t next) { (*static_cast<Body*>(c))(i, next); }, &body);
+}
 
 // The same for any callable body(tm0, tm1).
 template <class Body>
