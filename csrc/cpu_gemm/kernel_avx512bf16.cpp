@@ -621,10 +621,11 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const 
       fts = dec.tn * kFragsPerTile;
     }
     // chunk q + 2's records into L2, a quarter per panel, by the first token block; past the work
-    // item's end the first chunk of the thread's next item (`after`; nothing for its second chunk),
-    // or without one the records that follow (prefetches do not fault)
+    // item's end the first chunk of the thread's next item (`after`, during the chunk before the
+    // last, or during the only one; nothing for its second chunk), or without one the records
+    // that follow (prefetches do not fault)
     const uint8_t* ahead_rec = w.tiles + first_tile(q + 2) * kPkTileBytes;
-    if (after != nullptr && q + 2 >= chunks) ahead_rec = q + 2 == chunks ? after : nullptr;
+    if (after != nullptr && q + 2 >= chunks) ahead_rec = q + 2 == chunks || chunks == 1 ? after : nullptr;
     const char* ahead = reinterpret_cast<const char*>(ahead_rec);
     // 2. wide: token blocks outside (a block's activations stay in L1 for its 4 panels);
     //    narrow: panels outside (a panel stays in L1 for every block)
