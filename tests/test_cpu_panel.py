@@ -156,6 +156,29 @@ def test_gemm_within_bound(n):
             assert torch.equal(_bits(cpu_kernels.packed_linear(x, pt, b, kernel="panel", threads=threads)), _bits(y))
 
 
+@needs_bf16
+@pytest.mark.parametrize("rows", (64, 512, 520))  # 1 item; 2 runs of 4 tile rows; 3 runs (split tail)
+@pytest.mark.parametrize("n", (1, 19, 50))  # the streaming, narrow and wide paths
+def test_every_item_runs_at_any_thread_count(rows, n):
+    # parallel_claims: the first items dealt out (2t and 2t + 1, or t), the rest claimed ahead;
+    # with as many or fewer items than threads, or one thread, every row must still be computed:
+    # the output is first filled with NaN, which no computed row keeps
+    w = _weight(rows, 640, seed=rows)
+    pt = cpu_kernels.pack(w)
+    x = torch.randn(n, w.shape[1], generator=torch.Generator().manual_seed(n)).bfloat16()
+    y1 = cpu_kernels.packed_linear(x, pt, kernel="panel", threads=1)
+    err = (y1.double() - _ref(x, w, None)).abs()
+    assert bool((err <= bound(x, w, None)).all())
+    from zipserv_vllm import _cpu_gemm
+
+    arrays = [a.numpy() for a in (pt.tiles, pt.luts, pt.exc_start, pt.exc)]
+    for threads in (2, 3, 4, 8):
+        out = torch.full((n, rows), float("nan"), dtype=torch.bfloat16)
+        _cpu_gemm.packed_gemm_bf16(x.view(torch.int16).numpy(), *arrays, rows, w.shape[1], None,
+                                   out.view(torch.int16).numpy(), threads)
+        assert torch.equal(_bits(out), _bits(y1)), threads
+
+
 # Four lane values whose documented sum, (l0 + l1) + (l2 + l3) in fp32, rounds to a different BF16
 # than any other order of the same four additions (found by search; all BF16 numbers).
 _LANES = (9109504.0, 15466496.0, -1.0, -0.0986328125)

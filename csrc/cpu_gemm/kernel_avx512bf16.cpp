@@ -542,16 +542,20 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const ui
           return;
         }
       }
-      // the next chunk's records: the rest of this row, the next row's first chunk, or after the
-      // last row the thread's next item's (prefetching past the matrix is harmless: prefetches do
-      // not fault)
-      const bool last = tm + 1 == tm1 && c0 + tn == kt && after != nullptr;
-      const char* next = reinterpret_cast<const char*>(last ? after : w.tiles + (g0 + tn) * kPkTileBytes);
+      // the next chunk's records: the rest of this row, the next row's first chunk, after the item's
+      // last row the thread's next item's first chunk, or nothing (the matrix's end and no next
+      // item). A shorter next chunk is overrun by a few tiles: prefetches do not fault.
+      const bool item_end = tm + 1 == tm1 && c0 + tn == kt;
+      const uint8_t* next_rec = !item_end ? w.tiles + (g0 + tn) * kPkTileBytes
+                                : after != nullptr ? after
+                                : tm1 < w.mt ? w.tiles + (g0 + tn) * kPkTileBytes : nullptr;
+      const char* next = reinterpret_cast<const char*>(next_rec);
+      const auto next_at = [next](int64_t off) { return next != nullptr ? next + off : nullptr; };
       if (n >= kHalfMinN && n <= kHalfMaxN) {  // two half passes per panel, each prefetching half its quarter
         for (int mm = 0; mm < 4; ++mm)
           for (int rb = 0; rb < 2; ++rb)
             kStreamHalf[n - kHalfMinN](w.tiles, w.luts, g0, tn, mm, rb, job.x + c0 * kTile, job.kp, patched[mm],
-                                       next + mm * tn * (16 * kPkFtBytes) + rb * (8 * kPkFtBytes), accp + mm * n * 64);
+                                       next_at(mm * tn * (16 * kPkFtBytes) + rb * (8 * kPkFtBytes)), accp + mm * n * 64);
         continue;
       }
       // ceil(n / 6) blocks whose sizes differ by at most one (7 tokens: 4 + 3, not 6 + 1: a block of
@@ -561,7 +565,7 @@ void stream_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const ui
         for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
           const int64_t nb = n / blocks + (b < n % blocks ? 1 : 0);
           kStreamPass[nb](w.tiles, w.luts, g0, tn, mm, job.x + t0 * job.kp + c0 * kTile, job.kp, patched[mm],
-                          t0 == 0 ? next + mm * tn * (16 * kPkFtBytes) : nullptr, accp + (mm * n + t0) * 64);
+                          t0 == 0 ? next_at(mm * tn * (16 * kPkFtBytes)) : nullptr, accp + (mm * n + t0) * 64);
           t0 += nb;
         }
     }
@@ -622,10 +626,15 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const 
     }
     // chunk q + 2's records into L2, a quarter per panel, by the first token block; past the work
     // item's end the first chunk of the thread's next item (`after`, during the chunk before the
-    // last, or during the only one; nothing for its second chunk), or without one the records
-    // that follow (prefetches do not fault)
-    const uint8_t* ahead_rec = w.tiles + first_tile(q + 2) * kPkTileBytes;
-    if (after != nullptr && q + 2 >= chunks) ahead_rec = q + 2 == chunks || chunks == 1 ? after : nullptr;
+    // last, or during the only one; nothing for its second chunk), or without one the rows that
+    // follow within the matrix
+    const uint8_t* ahead_rec = nullptr;
+    if (q + 2 < chunks)
+      ahead_rec = w.tiles + first_tile(q + 2) * kPkTileBytes;
+    else if (after != nullptr)
+      ahead_rec = q + 2 == chunks || chunks == 1 ? after : nullptr;
+    else if (tm1 < w.mt && q + 2 == chunks)  // (no next item given: the rows that follow)
+      ahead_rec = w.tiles + tm1 * kt * kPkTileBytes;
     const char* ahead = reinterpret_cast<const char*>(ahead_rec);
     // 2. wide: token blocks outside (a block's activations stay in L1 for its 4 panels);
     //    narrow: panels outside (a panel stays in L1 for every block)

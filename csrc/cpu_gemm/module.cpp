@@ -324,8 +324,10 @@ void add_row_runs(std::vector<RowRun>& items, int64_t job, int64_t mt) {
 // When the threads would not get the same number of items, the last 2 tile rows per thread split
 // into items of one row, so that the threads (which take items in order) finish within a row of
 // each other (11008x4096: 172 tile rows, 43 runs of 4, one thread had a run more: 2.3 % of the
-// work). Where the runs divide evenly it is not done: a single row is little work, and only its
-// first chunk is prefetched (by its thread's previous item, run_row_runs).
+// work). Where the runs divide evenly it is not done (measured slower when the items' first chunks
+// were not prefetched; not measured again since run_row_runs prefetches them). A thread holds its
+// current item and the one it claimed: one that falls behind (preempted) can still leave the other
+// idle for up to a run.
 void split_tail(std::vector<RowRun>& items, int threads) {
   threads = std::max(threads, 1);
   if (static_cast<int64_t>(items.size()) % threads == 0) return;

@@ -64,12 +64,23 @@ void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int6
     for (int64_t i = 0; i < items; ++i) fn(ctx, i, i + 1 < items ? i + 1 : -1);
     return;
   }
+  // The first items are dealt out, not taken from the counter (a thread that took its first item
+  // and its next one before the others started could leave one idle: with as many items as
+  // threads, two would run one after the other): with at least two items per thread, thread t
+  // runs items 2t and 2t + 1 first (neighbours in memory, so the hardware's stream prefetch runs
+  // on from one into the other), else item t; the rest come from the counter, one claimed ahead
+  // per thread. The team's real size counts, as OpenMP may give fewer threads than asked.
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
-    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    const bool pairs = items >= 2 * team;
+    const int64_t dealt = pairs ? 2 * team : team;
+    int64_t i = pairs ? 2 * t : t;
+    bool second = pairs;  // the next item is i + 1, dealt
     while (i < items) {
-      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      const int64_t j = second ? i + 1 : dealt + next.fetch_add(1, std::memory_order_relaxed);
+      second = false;
       fn(ctx, i, j < items ? j : -1);
       i = j;
     }

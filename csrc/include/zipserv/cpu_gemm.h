@@ -170,8 +170,8 @@ struct Bf16GemmJob {
   std::atomic<bool>* oom;  // set when a thread's scratch could not be allocated (y is then incomplete); never null
 };
 // Tile rows [tm0, tm1) of a job; `after` is the first record of what this thread computes next
-// (another job's or another run's first tile), prefetched while the last rows are multiplied, or
-// nullptr (then the records past tm1 are).
+// (another run's first tile, of this job or of another with the same K), prefetched while the last
+// rows are multiplied, or nullptr (then the records past tm1 are, within the matrix).
 using Bf16GemmRowsFn = void (*)(const Bf16GemmJob&, int64_t tm0, int64_t tm1, const uint8_t* after);
 Bf16GemmRowsFn avx512bf16_gemm_rows();
 bool avx512bf16_supported();
@@ -243,25 +243,27 @@ inline void report_bad(std::atomic<int64_t>* bad, int64_t g) {
 // dynamically; every item is computed entirely by one thread, so results do
 // not depend on `threads`.
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
-// Registers the fork handler parallel_for relies on (called at module import).
-void install_fork_guard();
-
-// Runs fn(ctx, item, next) for every item of [0, items) on `threads` OpenMP threads, each thread
-// claiming its next item before it runs the current one, so that next (-1: none) is the item the
-// same thread runs afterwards: the current one can prefetch its data. Items are handed out
-// dynamically, one claimed ahead per thread.
-void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
-
-template <class Body>
-void parallel_claims(int64_t items, int threads, Body& body) {
-  parallel_claims(items, threads, [](void* c, int64_t i, int64_t next) { (*static_cast<Body*>(c))(i, next); }, &body);
-}
-
 // The same for any callable body(tm0, tm1).
 template <class Body>
 void parallel_for(int64_t items, int threads, Body& body) {
   parallel_for(items, threads, [](void* c, int64_t a, int64_t b) { (*static_cast<Body*>(c))(a, b); }, &body);
 }
+
+// Runs fn(ctx, item, next) for every item of [0, items) on `threads` OpenMP threads: the first
+// items dealt out (thread t: items 2t and 2t + 1, or item t with fewer than two items per
+// thread), and each thread claims its next item before it runs the current one, so that
+// next (-1: none) is the item the same thread runs afterwards and the current one can prefetch its
+// data. Unlike parallel_for's (a, b), the callback's arguments are an item and its successor.
+void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx);
+
+// The same for any callable body(item, next).
+template <class Body>
+void parallel_claims(int64_t items, int threads, Body& body) {
+  parallel_claims(items, threads, [](void* c, int64_t i, int64_t next) { (*static_cast<Body*>(c))(i, next); }, &body);
+}
+
+// Registers the fork handler parallel_for and parallel_claims rely on (called at module import).
+void install_fork_guard();
 
 }  // namespace cpu
 }  // namespace zipserv
