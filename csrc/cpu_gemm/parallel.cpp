@@ -31,6 +31,16 @@ std::once_flag g_atfork_once;
 
 void mark_forked() { g_forked.store(true); }
 
+// The team size a call of `items` gets from `threads` asked, or 0 where it runs on the calling
+// thread: nothing to do, one thread, a forked child, or already inside a parallel region.
+int team_for(int64_t items, int threads) {
+  install_fork_guard();  // (also at module import: a fork before the first call must be seen too)
+  if (items <= 0) return 0;
+  if (threads > items) threads = static_cast<int>(items);
+  if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) return 0;
+  return threads;
+}
+
 }  // namespace
 
 void install_fork_guard() {
@@ -38,11 +48,9 @@ void install_fork_guard() {
 }
 
 void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
-  install_fork_guard();  // (also at module import: a fork before the first call must be seen too)
-  if (items <= 0) return;
-  if (threads > items) threads = static_cast<int>(items);
-  if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {
-    fn(ctx, 0, items);
+  threads = team_for(items, threads);
+  if (threads == 0) {
+    if (items > 0) fn(ctx, 0, items);
     return;
   }
   // Tile rows handed out one at a time (their cost varies with the tile
@@ -57,10 +65,8 @@ void parallel_for(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t
 }
 
 void parallel_claims(int64_t items, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
-  install_fork_guard();
-  if (items <= 0) return;
-  if (threads > items) threads = static_cast<int>(items);
-  if (threads <= 1 || g_forked.load(std::memory_order_relaxed) || omp_in_parallel()) {
+  threads = team_for(items, threads);
+  if (threads == 0) {
     for (int64_t i = 0; i < items; ++i) fn(ctx, i, i + 1 < items ? i + 1 : -1);
     return;
   }
