@@ -795,7 +795,9 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("moe_experts_bf16", &moe_experts_bf16, py::arg("xs"), py::arg("bounds"), py::arg("w13"), py::arg("w2"),
           py::arg("inter"), py::arg("hidden"), py::arg("h"), py::arg("act"), py::arg("y"), py::arg("threads"),
           "One MoE layer's routed experts (w13, SiLU x up, w2) by the AVX512-BF16 panel kernel, one call");
-  py::class_<MoeLayer>(mod, "MoeLayer",
+  // module_local: two builds of this extension loaded in one process (side-by-side benchmarks of two
+  // builds) each keep their own classes instead of failing at import
+  py::class_<MoeLayer>(mod, "MoeLayer", py::module_local(),
                        "A MoE layer's expert tables checked once; run() is the fast path's per-call entry")
       .def(py::init<const py::array&, const py::array&, int64_t, int64_t>(), py::arg("w13"), py::arg("w2"),
            py::arg("inter"), py::arg("hidden"))
@@ -820,7 +822,7 @@ PYBIND11_MODULE(_cpu_gemm, mod) {
   mod.def("packed_decode_bf16", &packed_decode_bf16, py::arg("tiles"), py::arg("luts"), py::arg("exc_start"),
           py::arg("exc"), py::arg("m"), py::arg("k"), py::arg("out"), py::arg("threads"),
           "Decode W[m, k] by the AVX512-BF16 panel kernel's decode step (bit-exactness tests)");
-  py::class_<PackedLinear>(mod, "PackedLinear",
+  py::class_<PackedLinear>(mod, "PackedLinear", py::module_local(),
                            "A byte-split weight checked once; run() is the eager fast path's per-call entry")
       .def(py::init<const py::array&, const py::array&, const py::array&, const py::array&, int64_t, int64_t>(),
            py::arg("tiles"), py::arg("luts"), py::arg("exc_start"), py::arg("exc"), py::arg("m"), py::arg("k"))
