@@ -143,6 +143,42 @@ void decode_rows_t(const DecodeJobT<W>& job, int64_t tm0, int64_t tm1) {
 
 }  // namespace
 
+int64_t decode_packed_row(const Packed& w, int64_t row, uint16_t* out) {
+  const int64_t tm = row / kTile;
+  const int rr = static_cast<int>(row % kTile);
+  // the FTs holding tile row rr: f = 16 (rr / 16) + 2 j + (rr / 8) % 2 (columns 8 j .. 8 j + 7), its
+  // positions p = 8 (rr % 8) + c
+  const int f0 = (rr >> 4) * 16 + ((rr >> 3) & 1), p0 = (rr & 7) * kFrag;
+  uint16_t seg[kTile];
+  for (int64_t tk = 0; tk < w.kt; ++tk) {
+    const int64_t g = tm * w.kt + tk;
+    if (!packed_tile_ok(w, g)) return g;
+    const uint8_t* t = w.tiles + g * kPkTileBytes;
+    const uint8_t* lut = w.luts + g * kPkLutEntries;
+    for (int j = 0; j < kTile / kFrag; ++j) {
+      const int f = f0 + 2 * j;
+      for (int c = 0; c < kFrag; ++c) {
+        const int p = p0 + c;
+        const int code = (t[pk_code_byte(f, p)] >> (4 * pk_code_nibble(p))) & 15;
+        seg[frag_col0(f) + c] = static_cast<uint16_t>(lut[code] << 8 | t[pk_lo_byte(f, p)]);
+      }
+    }
+    // every entry of the tile checked, as decode_tile does; those of row rr applied
+    int64_t prev = -1;
+    for (int64_t e = w.exc_start[g]; e < w.exc_start[g + 1]; ++e) {
+      const int64_t d = w.exc[e] >> kPkExcShift;
+      if (d <= prev || d >= kTileElems) return g;
+      prev = d;
+      const int f = static_cast<int>(d / kFragElems), p = static_cast<int>(d % kFragElems);
+      if (frag_row0(f) + p / kFrag != rr) continue;
+      uint16_t& v = seg[frag_col0(f) + p % kFrag];
+      v = static_cast<uint16_t>((w.exc[e] & 0xFFu) << 8 | (v & 0xFFu));
+    }
+    std::memcpy(out + tk * kTile, seg, static_cast<size_t>(std::min<int64_t>(kTile, w.k - tk * kTile)) * 2);
+  }
+  return -1;
+}
+
 Kernel scalar_kernel() {
   return {"scalar", gemm_rows_t<Matrix>, decode_rows_t<Matrix>, gemm_rows_t<Packed>, decode_rows_t<Packed>};
 }

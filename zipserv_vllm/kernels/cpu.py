@@ -567,9 +567,10 @@ def packed_decode(pt: PackedTensor, *, isa: str | None = None, threads: int | No
 
 def packed_embedding(ids: torch.Tensor, pt: PackedTensor, rows: int | None = None, *, isa: str | None = None,
                      threads: int | None = None) -> torch.Tensor:
-    """``F.embedding(ids, W)`` for W in the byte-split layout, bit for bit: only the tile rows the ids
-    touch are decoded (ids clamped to ``[0, rows)``; rows ``M .. rows - 1`` are zeros, vLLM's
-    vocabulary padding)."""
+    """``F.embedding(ids, W)`` for W in the byte-split layout, bit for bit: only the rows the ids name
+    are decoded, each from the 8 FTs per tile that hold it (ids clamped to ``[0, rows)``; rows
+    ``M .. rows - 1`` are zeros, vLLM's vocabulary padding). The lookup is portable code: ``isa`` is
+    only checked."""
     _need()
     m, k = pt.shape
     rows = m if rows is None else int(rows)

@@ -189,6 +189,12 @@ struct Kernel {
 };
 
 Kernel scalar_kernel();
+
+// Row `row` (< w.m) of a byte-split matrix into out[0 .. w.k), bit for bit (kernel_scalar.cpp): only
+// the 8 FTs of each tile that hold the row are read, and every exception entry of each tile is
+// checked as the decoders check them. Returns -1, or the first malformed tile. Portable code: a
+// lookup reads a row per token, 1/8 of each tile (the embedding lookup's unit).
+int64_t decode_packed_row(const Packed& w, int64_t row, uint16_t* out);
 Kernel avx2_kernel();
 Kernel avx512_kernel();
 bool avx2_supported();
