@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import statistics
@@ -52,7 +53,8 @@ def run_client(port: int, tokenizer: str, args, seed: int = 0) -> dict:
         "--max-concurrency", str(args.concurrency), "--ignore-eos", "--disable-tqdm", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl",
     ])
-    res = main(cli)
+    with contextlib.redirect_stdout(io.StringIO()):  # (the client prints its whole argument namespace and report)
+        res = main(cli)
     return {k: float(res[k]) for k in METRICS}
 
 
