@@ -404,13 +404,14 @@ def test_native_embedding_lookup_every_pattern_and_edge():
     ids3 = ids[:24].reshape(2, 3, 4)
     assert torch.equal(_bits(compressed_embedding(ids3, pt, 1074)), _bits(F.embedding(ids3.clamp(0, 1073), table)))
     assert compressed_embedding(torch.zeros(0, dtype=torch.int64), pt, 1074).shape == (0, 64)
-    # every row of a table 4 tiles wide, the last one partial (128 x 200, all patterns in its first
-    # 128 x 128 and exceptions across the rest): each row is read from its own FTs of each tile
-    w = _mixed_weight(128, 200)
-    w[:, 64:192] = _all_patterns().view(-1)[: 128 * 128].view(128, 128)
+    # every row of a table 4 tiles wide and 3 tile rows high, the last of each partial (130 x 200,
+    # all patterns in rows 0-127, columns 64-191, and exceptions across the rest): each row is read
+    # from its own FTs of each tile
+    w = _mixed_weight(130, 200)
+    w[:128, 64:192] = _all_patterns().view(-1)[: 128 * 128].view(128, 128)
     pt = cpu_kernels.pack(w)
     assert int(pt.exc.numel()) > 1000
-    ids = torch.randperm(128, generator=g)
+    ids = torch.randperm(130, generator=g)
     for threads in (1, 2):
         assert torch.equal(_bits(cpu_kernels.packed_embedding(ids, pt, threads=threads)), _bits(w[ids]))
 

@@ -662,7 +662,6 @@ void buffered_gemm_rows(const Bf16GemmJob& job, int64_t tm0, int64_t tm1, const 
         return;
       }
     }
-
   }
 }
 

@@ -12,12 +12,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <memory>
 #include <new>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "zipserv/cpu_gemm.h"

@@ -8,10 +8,11 @@ matrix and ``W_padded`` appends ``rows - m`` zero rows (vLLM pads the vocabulary
 of an embedding layer; padding ids read zeros). Ids outside ``[0, rows)`` are
 clamped like the plugin did before (vLLM never sends them).
 
-Only the 64-row tile rows that the ids touch are decoded (on the CPU from the
-byte-split layout: one native call, ``cpu_kernels.packed_embedding``, a decode
-step's lookup in microseconds instead of ~0.9 ms of small torch ops): the set of touched
-tile rows is data dependent (``torch.unique``), which torch.compile cannot
+Only what the ids touch is decoded: on the CPU from the byte-split layout one
+native call, ``cpu_kernels.packed_embedding``, which decodes each id's row from
+the 8 FTs per tile that hold it (a decode step's lookup in microseconds instead
+of ~0.9 ms of small torch ops); elsewhere the 64-row tile rows the ids touch.
+The set of touched tile rows is data dependent (``torch.unique``), which torch.compile cannot
 trace; inside a custom op it is opaque, and the fake implementation gives the
 output shape from the ids' shape alone, so graphs with the lookup trace
 without breaks (torch.compile fullgraph, CUDA graphs). Imports no vLLM.

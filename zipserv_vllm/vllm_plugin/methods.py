@@ -23,7 +23,8 @@ At run time ``apply()`` computes ``x @ W.T + b`` from the compressed parts:
   ``ZIPSERV_GPU_LAYOUT=bytesplit`` or ``prefer: speed``.
 
 The embedding (``zipserv::embedding``, :mod:`zipserv_vllm.kernels.embedding`) decodes
-only the tile rows (64 vocabulary rows each) that the batch's ids touch, then
+only what the batch's ids touch: on the CPU each id's row (the 8 FTs per tile that
+hold it), elsewhere the tile rows (64 vocabulary rows each) they fall in, then
 gathers. Every op used here is a torch.library custom op with a fake
 implementation, so vLLM's torch.compile path traces ``apply``/``embedding``.
 """
@@ -88,7 +89,7 @@ def compressed_linear(st: loading.LayerState, x: torch.Tensor, bias: torch.Tenso
 
 
 def compressed_embedding(st: loading.LayerState, ids: torch.Tensor, mode: str = "fast") -> torch.Tensor:
-    """Rows ``ids`` of the compressed table (``zipserv::embedding``: decodes only the tile rows they touch).
+    """Rows ``ids`` of the compressed table (``zipserv::embedding``: decodes only what they touch).
 
     Exact mode under torch.compile decodes the whole table and gathers with ``F.embedding``, as the BF16
     layer does: Inductor then fuses the gather into its consumers exactly as in the BF16 model's graph

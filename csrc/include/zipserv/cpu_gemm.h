@@ -119,7 +119,7 @@ struct EmbeddingCall {
   uint16_t* y;         // [n][k]
   int threads;
 };
-// kEmbeddingCallFailed (a malformed tile, out of memory): y is not to be used; the caller
+// kEmbeddingCallFailed (a malformed tile): y is not to be used; the caller
 // runs the checked path, which raises the error.
 constexpr int64_t kEmbeddingCallDone = 0, kEmbeddingCallFailed = 1;
 using EmbeddingCallFn = int64_t (*)(const EmbeddingCall&);
@@ -195,6 +195,7 @@ Kernel scalar_kernel();
 // checked as the decoders check them. Returns -1, or the first malformed tile. Portable code: a
 // lookup reads a row per token, 1/8 of each tile (the embedding lookup's unit).
 int64_t decode_packed_row(const Packed& w, int64_t row, uint16_t* out);
+
 Kernel avx2_kernel();
 Kernel avx512_kernel();
 bool avx2_supported();
