@@ -53,8 +53,13 @@ def run_client(port: int, tokenizer: str, args, seed: int = 0) -> dict:
         "--max-concurrency", str(args.concurrency), "--ignore-eos", "--disable-tqdm", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl",
     ])
-    with contextlib.redirect_stdout(io.StringIO()):  # (the client prints its whole argument namespace and report)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # (the client prints its whole argument namespace and report)
         res = main(cli)
+    if res.get("failed", 0) or res.get("completed", args.num_prompts) != args.num_prompts:
+        print(out.getvalue(), file=sys.stderr)  # its report says which requests failed and why
+        raise SystemExit(f"bench_serve: {res.get('failed')} of {args.num_prompts} requests failed on port {port}: "
+                         f"the round's numbers would count the others only")
     return {k: float(res[k]) for k in METRICS}
 
 
