@@ -41,6 +41,30 @@ bool decode_tile(const Matrix& w, int64_t g, uint16_t* out) {
   return true;
 }
 
+// The word at position p of FT f in a byte-split tile record t with table lut (cpu_layout.h),
+// before the tile's exceptions.
+inline uint16_t packed_word(const uint8_t* t, const uint8_t* lut, int f, int p) {
+  const int code = (t[pk_code_byte(f, p)] >> (4 * pk_code_nibble(p))) & 15;
+  return static_cast<uint16_t>(lut[code] << 8 | t[pk_lo_byte(f, p)]);
+}
+
+// Walks tile g's exception entries in order, patch(f, p, high byte) for each. Returns false at the
+// first entry out of the tile or not ascending (the entries before it have been applied).
+template <class Patch>
+bool walk_exceptions(const Packed& w, int64_t g, Patch patch) {
+  int64_t prev = -1;
+  for (int64_t e = w.exc_start[g]; e < w.exc_start[g + 1]; ++e) {
+    const int64_t d = w.exc[e] >> kPkExcShift;
+    if (d <= prev || d >= kTileElems) return false;  // out of the tile, or not ascending
+    prev = d;
+    patch(static_cast<int>(d / kFragElems), static_cast<int>(d % kFragElems), static_cast<uint8_t>(w.exc[e] & 0xFFu));
+  }
+  return true;
+}
+
+// A word with its high byte replaced by an exception's.
+inline uint16_t with_high(uint16_t v, uint8_t hi) { return static_cast<uint16_t>(hi << 8 | (v & 0xFFu)); }
+
 // Decodes tile g of the byte-split layout (cpu_layout.h) into out[64][64].
 // Returns false when its exception range or entries are malformed.
 bool decode_tile(const Packed& w, int64_t g, uint16_t* out) {
@@ -49,21 +73,12 @@ bool decode_tile(const Packed& w, int64_t g, uint16_t* out) {
   const uint8_t* lut = w.luts + g * kPkLutEntries;
   for (int f = 0; f < kFragsPerTile; ++f) {
     const int r0 = frag_row0(f), c0 = frag_col0(f);
-    for (int p = 0; p < kFragElems; ++p) {
-      const int code = (t[pk_code_byte(f, p)] >> (4 * pk_code_nibble(p))) & 15;
-      out[(r0 + p / kFrag) * kTile + c0 + p % kFrag] = static_cast<uint16_t>(lut[code] << 8 | t[pk_lo_byte(f, p)]);
-    }
+    for (int p = 0; p < kFragElems; ++p) out[(r0 + p / kFrag) * kTile + c0 + p % kFrag] = packed_word(t, lut, f, p);
   }
-  int64_t prev = -1;
-  for (int64_t e = w.exc_start[g]; e < w.exc_start[g + 1]; ++e) {
-    const int64_t d = w.exc[e] >> kPkExcShift;
-    if (d <= prev || d >= kTileElems) return false;  // out of the tile, or not ascending
-    prev = d;
-    const int f = static_cast<int>(d / kFragElems), p = static_cast<int>(d % kFragElems);
+  return walk_exceptions(w, g, [&](int f, int p, uint8_t hi) {
     uint16_t& v = out[(frag_row0(f) + p / kFrag) * kTile + frag_col0(f) + p % kFrag];
-    v = static_cast<uint16_t>((w.exc[e] & 0xFFu) << 8 | (v & 0xFFu));
-  }
-  return true;
+    v = with_high(v, hi);
+  });
 }
 
 struct Scratch {
@@ -157,23 +172,13 @@ int64_t decode_packed_row(const Packed& w, int64_t row, uint16_t* out) {
     const uint8_t* lut = w.luts + g * kPkLutEntries;
     for (int j = 0; j < kTile / kFrag; ++j) {
       const int f = f0 + 2 * j;
-      for (int c = 0; c < kFrag; ++c) {
-        const int p = p0 + c;
-        const int code = (t[pk_code_byte(f, p)] >> (4 * pk_code_nibble(p))) & 15;
-        seg[frag_col0(f) + c] = static_cast<uint16_t>(lut[code] << 8 | t[pk_lo_byte(f, p)]);
-      }
+      for (int c = 0; c < kFrag; ++c) seg[frag_col0(f) + c] = packed_word(t, lut, f, p0 + c);
     }
     // every entry of the tile checked, as decode_tile does; those of row rr applied
-    int64_t prev = -1;
-    for (int64_t e = w.exc_start[g]; e < w.exc_start[g + 1]; ++e) {
-      const int64_t d = w.exc[e] >> kPkExcShift;
-      if (d <= prev || d >= kTileElems) return g;
-      prev = d;
-      const int f = static_cast<int>(d / kFragElems), p = static_cast<int>(d % kFragElems);
-      if (frag_row0(f) + p / kFrag != rr) continue;
-      uint16_t& v = seg[frag_col0(f) + p % kFrag];
-      v = static_cast<uint16_t>((w.exc[e] & 0xFFu) << 8 | (v & 0xFFu));
-    }
+    const bool ok = walk_exceptions(w, g, [&](int f, int p, uint8_t hi) {
+      if (frag_row0(f) + p / kFrag == rr) seg[frag_col0(f) + p % kFrag] = with_high(seg[frag_col0(f) + p % kFrag], hi);
+    });
+    if (!ok) return g;
     std::memcpy(out + tk * kTile, seg, static_cast<size_t>(std::min<int64_t>(kTile, w.k - tk * kTile)) * 2);
   }
   return -1;
